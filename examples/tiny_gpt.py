@@ -1,0 +1,80 @@
+"""A small GPT-like model and synthetic data, shared by the demo, tests and benchmarks."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class GPTConfig:
+    vocab: int = 256
+    dim: int = 128
+    heads: int = 4
+    layers: int = 2
+    seq: int = 64
+    batch: int = 8
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.dim)
+        self.attn = nn.MultiheadAttention(cfg.dim, cfg.heads, batch_first=True)
+        self.ln2 = nn.LayerNorm(cfg.dim)
+        self.mlp = nn.Sequential(nn.Linear(cfg.dim, 4 * cfg.dim), nn.GELU(), nn.Linear(4 * cfg.dim, cfg.dim))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, cfg: GPTConfig | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg = cfg or GPTConfig()
+        self.embed = nn.Embedding(cfg.vocab, cfg.dim)
+        self.pos = nn.Parameter(torch.zeros(cfg.seq, cfg.dim))
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.vocab)
+        self.register_buffer("mask", torch.triu(torch.ones(cfg.seq, cfg.seq, dtype=torch.bool), 1))
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        for layer in self.layers:
+            x = layer(x, self.mask[: tokens.shape[1], : tokens.shape[1]])
+        logits = self.head(self.ln_f(x))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def synthetic_batches(cfg: GPTConfig, steps: int, seed: int = 0):
+    """Deterministic token batches with a learnable pattern (next token = token + 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        start = torch.randint(0, cfg.vocab, (cfg.batch, 1), generator=gen)
+        tokens = (start + torch.arange(cfg.seq + 1)) % cfg.vocab
+        yield tokens[:, :-1], tokens[:, 1:]
+
+
+def inject(model: nn.Module, layer: str, step_of: callable, at_step: int, kind: str = "nan"):
+    """Make module `layer` emit nan/inf (or a x1000 spike) in its output at optimizer step `at_step`.
+
+    `step_of()` returns the current step. Returns the hook handle.
+    """
+    module = model.get_submodule(layer)
+
+    def corrupt(mod, args, output):
+        if step_of() != at_step:
+            return None
+        out = output[0] if isinstance(output, tuple) else output
+        if kind == "spike":
+            bad = out * 1000.0
+        else:
+            bad = out.clone()
+            bad.view(-1)[0] = float("nan") if kind == "nan" else float("inf")
+        return (bad, *output[1:]) if isinstance(output, tuple) else bad
+
+    return module.register_forward_hook(corrupt)

@@ -1,0 +1,36 @@
+"""Merge partial-statistics rows across the ranks of a torch.distributed group.
+
+One collective per call: every rank contributes its ``[k, 8]`` rows (the same
+keys in the same order, e.g. the local shards of the same parameters), they
+are all-gathered into one ``[world, k, 8]`` tensor and merged on the device
+with the exact math of `msprobe_engine.stats.merge` (min of mins, max of
+maxes, sums add). No full tensor is ever gathered.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from msprobe_engine.stats import P_MAX, P_MIN
+
+
+def gather_merge(rows: torch.Tensor, group=None) -> torch.Tensor:
+    """Return the rows merged over every rank of `group` (identical on all ranks)."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return rows
+    gathered = torch.empty((world * rows.shape[0], rows.shape[1]), dtype=rows.dtype, device=rows.device)
+    _all_gather(gathered, rows.contiguous(), group=group)
+    return merge_stacked(gathered.view(world, *rows.shape))
+
+
+def merge_stacked(stacked: torch.Tensor) -> torch.Tensor:
+    """Merge ``[n, k, 8]`` partial rows along the first axis."""
+    merged = stacked.sum(dim=0)
+    merged[:, P_MIN] = stacked[:, :, P_MIN].amin(dim=0)
+    merged[:, P_MAX] = stacked[:, :, P_MAX].amax(dim=0)
+    return merged
+
+
+# torch 2.13 renamed all_gather_into_tensor; keep working on both sides of the rename.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -1,0 +1,1 @@
+"""Collection: which tensors are measured, under which names, and when."""

@@ -1,0 +1,90 @@
+"""Parameters, gradients and optimizer state of a torch model and torch.optim optimizer.
+
+Gradients are read once per optimizer step, in the optimizer's pre-step
+hook, which is the gradient-accumulation boundary of a plain PyTorch loop.
+Parameters and optimizer state (exp_avg, exp_avg_sq of Adam/AdamW; the
+momentum buffer of SGD reported as exp_avg) are read in the post-step hook.
+The update and the update/parameter ratio need a copy of the parameters
+taken just before the step (only when the config asks for them).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from msprobe_engine.stats.table import MetricKey
+
+if TYPE_CHECKING:
+    from msprobe_engine.monitor import Monitor
+
+#: optimizer-state key in torch.optim -> the name we report
+STATE_NAMES = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "momentum_buffer": "exp_avg"}
+
+
+class OptimizerHooks:
+    """Reads grads before and params/state after each `optimizer.step()`."""
+
+    def __init__(self, monitor: "Monitor", model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer | None) -> None:
+        self.monitor = monitor
+        watch = monitor.config.watch
+        self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.states = [s for s in watch.optimizer_state if s in ("exp_avg", "exp_avg_sq")]
+        self.update = any(s in ("update", "ratio") for s in watch.optimizer_state)
+        self._before: list[torch.Tensor] | None = None
+        self.handles: list = []
+        if optimizer is None:
+            return
+        owned = {id(p) for _, p in self.params}
+        foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in owned)
+        if foreign:
+            monitor.warn(f"{foreign} optimizer parameters are not in the model; they are not monitored")
+        self.handles = [optimizer.register_step_pre_hook(self._pre_step),
+                        optimizer.register_step_post_hook(self._post_step)]
+        self.optimizer = optimizer
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def _pre_step(self, optimizer, args, kwargs) -> None:
+        monitor = self.monitor
+        if not monitor.active:
+            monitor.before_optimizer_step()
+            return
+        with monitor.guard("optimizer pre-step hook"):
+            if monitor.config.watch.param_grads:
+                grads = [(n, p.grad) for n, p in self.params if p.grad is not None]
+                monitor.add_tensors([MetricKey("grad", n) for n, _ in grads], [g for _, g in grads])
+            if self.update:
+                self._before = torch._foreach_mul([p.detach() for _, p in self.params], 1.0)
+        monitor.before_optimizer_step()
+
+    def _post_step(self, optimizer, args, kwargs) -> None:
+        monitor = self.monitor
+        if monitor.active:
+            with monitor.guard("optimizer post-step hook"):
+                self._read_after_step(optimizer)
+        monitor.after_optimizer_step()
+
+    def _read_after_step(self, optimizer) -> None:
+        keys: list[MetricKey] = []
+        tensors: list[torch.Tensor] = []
+        if self.monitor.config.watch.params or self.update:
+            keys += [MetricKey("param", n) for n, _ in self.params]
+            tensors += [p.detach() for _, p in self.params]
+        for name, p in self.params:
+            state = optimizer.state.get(p, {})
+            for key, value in state.items():
+                ours = STATE_NAMES.get(key)
+                if ours in self.states and isinstance(value, torch.Tensor):
+                    keys.append(MetricKey("optim", name, ours))
+                    tensors.append(value)
+        if self._before is not None:
+            updates = torch._foreach_sub([p.detach() for _, p in self.params], self._before)
+            keys += [MetricKey("optim", n, "update") for n, _ in self.params]
+            tensors += updates
+            self._before = None
+        self.monitor.add_tensors(keys, tensors)

@@ -1,0 +1,102 @@
+"""The monitor's typed configuration: one dataclass per section.
+
+Every field has a type, a default and (where it is a choice) the allowed
+values in ``metadata["choices"]``; `msprobe_engine.config.loader` validates a
+plain dict against these classes and names the key path of anything wrong.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from msprobe_engine.stats import DEFAULT_STATS, STAT_NAMES
+
+OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq", "update", "ratio")
+SINK_NAMES = ("tensorboard", "csv", "jsonl")
+RULE_NAMES = ("non_finite", "spike")
+RULE_TARGETS = ("loss", "actv", "actv_grad", "grad", "param", "optim")
+ACTIONS = ("continue", "skip", "stop")
+
+
+def choices(*values: str) -> dict:
+    return {"choices": values}
+
+
+def at_least(minimum: float) -> dict:
+    return {"min": minimum}
+
+
+@dataclass(kw_only=True, slots=True)
+class Schedule:
+    """Which optimizer steps are monitored: start <= step < end, every `interval`."""
+    start_step: int = field(default=0, metadata=at_least(0))
+    end_step: Optional[int] = field(default=None, metadata=at_least(0))
+    interval: int = field(default=1, metadata=at_least(1))
+
+    def is_monitored(self, step: int) -> bool:
+        if step < self.start_step or (self.end_step is not None and step >= self.end_step):
+            return False
+        return (step - self.start_step) % self.interval == 0
+
+
+@dataclass(kw_only=True, slots=True)
+class Watch:
+    """What is measured on a monitored step."""
+    module_outputs: bool = True
+    module_inputs: bool = False
+    activation_grads: bool = False
+    param_grads: bool = True
+    params: bool = False
+    optimizer_state: list[str] = field(
+        default_factory=lambda: ["exp_avg", "exp_avg_sq"], metadata=choices(*OPTIMIZER_STATES))
+
+
+@dataclass(kw_only=True, slots=True)
+class ModuleSelection:
+    """Modules whose activations are watched; all of them when every list is empty."""
+    names: list[str] = field(default_factory=list)
+    regex: list[str] = field(default_factory=list)
+    types: list[str] = field(default_factory=list)
+    exclude_regex: list[str] = field(default_factory=list)
+
+
+@dataclass(kw_only=True, slots=True)
+class Writer:
+    """The background writer's bounded queue."""
+    queue_size: int = field(default=256, metadata=at_least(1))
+    when_full: str = field(default="drop", metadata=choices("drop", "wait"))
+
+
+@dataclass(kw_only=True, slots=True)
+class Rule:
+    """One alert rule. `non_finite` watches nan/inf in `targets`; `spike` watches the
+    metrics matching `metrics` (glob patterns over TensorBoard tags) for a value above
+    `factor` times its running average after `warmup` observations."""
+    rule: str = field(metadata=choices(*RULE_NAMES))
+    targets: list[str] = field(
+        default_factory=lambda: list(RULE_TARGETS), metadata=choices(*RULE_TARGETS))
+    metrics: list[str] = field(default_factory=lambda: ["train/loss", "grad/global/norm"])
+    factor: float = field(default=3.0, metadata=at_least(1.0))
+    warmup: int = field(default=10, metadata=at_least(0))
+    smoothing: float = field(default=0.9, metadata={"min": 0.0, "max": 0.999})
+    action: str = field(default="continue", metadata=choices(*ACTIONS))
+
+
+def default_rules() -> list[Rule]:
+    return [Rule(rule="non_finite"), Rule(rule="spike")]
+
+
+@dataclass(kw_only=True, slots=True)
+class MonitorConfig:
+    """The whole monitor configuration (see README, "Configuration")."""
+    output_dir: str = "./msprobe_output"
+    strict: bool = False
+    schedule: Schedule = field(default_factory=Schedule)
+    watch: Watch = field(default_factory=Watch)
+    modules: ModuleSelection = field(default_factory=ModuleSelection)
+    stats: list[str] = field(default_factory=lambda: list(DEFAULT_STATS), metadata=choices(*STAT_NAMES))
+    sinks: list[str] = field(default_factory=lambda: ["tensorboard", "jsonl"], metadata=choices(*SINK_NAMES))
+    writer: Writer = field(default_factory=Writer)
+    ring_buffer: int = field(default=32, metadata=at_least(1))
+    per_rank: bool = False
+    alerts: list[Rule] = field(default_factory=default_rules)

@@ -1,0 +1,28 @@
+"""Plain PyTorch: one line after the model and optimizer exist.
+
+    monitor = TorchMonitor(model, optimizer, config="configs/minimal.yaml")
+    for batch in data:
+        loss = train_step(batch)      # forward, backward, optimizer.step()
+        monitor.step_end(loss)
+
+Micro-steps are counted on the root module's forward; gradients are read
+in the optimizer's pre-step hook (the accumulation boundary).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from msprobe_engine.config import ConfigSource
+from msprobe_engine.monitor import Monitor
+
+
+def TorchMonitor(model: Any, optimizer: Any = None, config: ConfigSource = None, **kwargs: Any) -> Monitor:
+    """Create a `Monitor` attached to a torch model and torch.optim optimizer."""
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"TorchMonitor: model must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError("TorchMonitor: optimizer must be a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}; pass None to monitor the model only")
+    return Monitor(config, **kwargs).attach(model, optimizer)
