@@ -77,13 +77,13 @@ class SpikeRule:
         out = []
         spec = self.spec
         for tag, value in metrics.items():
-            if not self._watched(tag) or not math.isfinite(value):
+            if not self._watched(tag) or math.isnan(value):
                 continue
             average = self._average.get(tag)
             seen = self._seen.get(tag, 0)
             if average is not None and seen >= spec.warmup and abs(value) > spec.factor * abs(average) > 0:
                 out.append(Firing("spike", f"spike:{tag}", tag, value, spec.factor * abs(average), spec.action))
-                continue  # a spike does not pull the average up
+                continue  # a spike (or an overflow to inf) does not pull the average up
             self._average[tag] = value if average is None else spec.smoothing * average + (1 - spec.smoothing) * value
             self._seen[tag] = seen + 1
         return out

@@ -1,0 +1,92 @@
+"""Batched statistics against a plain numpy float64 reference.
+
+Tolerances: min, max and the counts are exact. Sums (mean, norm) are
+accumulated in float64 for the batched small tensors (rtol 1e-9) and in
+float32 for large bf16/fp16/fp32 tensors, chunked for the sum of squares
+(rtol 1e-5), plus an atol for means close to zero scaled by the mean
+absolute value.
+"""
+import numpy as np
+import pytest
+import torch
+
+from msprobe_engine.backends.torch_backend import SMALL_NUMEL, partial_stats
+from msprobe_engine.stats import finalize, merge, reference_partial
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SIZES = [1, 7, 1000, SMALL_NUMEL + 1, 300_000]
+
+
+def reference(t: torch.Tensor) -> np.ndarray:
+    values = t.float().numpy() if t.dtype in (torch.bfloat16, torch.float16) else t.numpy()
+    return reference_partial(values)
+
+
+def assert_matches(rows: np.ndarray, tensors: list[torch.Tensor]) -> None:
+    for row, t in zip(rows, tensors):
+        ref = reference(t)
+        got, want = finalize(row), finalize(ref)
+        for stat in ("min", "max", "nan_count", "inf_count", "numel", "zero_frac"):
+            np.testing.assert_array_equal(got[stat], want[stat], err_msg=f"{stat} of {t.dtype}{tuple(t.shape)}")
+        rtol = 1e-9 if t.numel() <= SMALL_NUMEL else 1e-5
+        abs_mean = float(np.abs(t.double().numpy()).mean()) if t.numel() else 0.0
+        np.testing.assert_allclose(got["mean"], want["mean"], rtol=rtol, atol=rtol * abs_mean, equal_nan=True)
+        np.testing.assert_allclose(got["norm"], want["norm"], rtol=rtol, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_random_tensors_of_every_size(dtype):
+    gen = torch.Generator().manual_seed(1)
+    tensors = [(torch.randn(n, generator=gen) * 3 + 0.5).to(dtype) for n in SIZES]
+    tensors.append(torch.randn(64, 33, generator=gen).to(dtype).t())  # non-contiguous
+    assert_matches(partial_stats(tensors).numpy(), tensors)
+
+
+@pytest.mark.parametrize("size", [5, 100_000])
+def test_non_finite_values_propagate_and_are_counted(size):
+    x = torch.randn(size)
+    with_nan, with_inf, with_both = x.clone(), x.clone(), x.clone()
+    with_nan[[0, 3]] = float("nan")
+    with_inf[1] = float("inf")
+    with_inf[2] = float("-inf")
+    with_both[0], with_both[1] = float("nan"), float("inf")
+    tensors = [with_nan, with_inf, with_both]
+    rows = partial_stats(tensors).numpy()
+    assert_matches(rows, tensors)
+    stats = finalize(rows)
+    assert np.isnan(stats["norm"][0]) and np.isnan(stats["max"][0])
+    assert stats["max"][1] == np.inf and stats["min"][1] == -np.inf and np.isnan(stats["mean"][1])
+    assert list(stats["nan_count"]) == [2, 0, 1] and list(stats["inf_count"]) == [0, 2, 1]
+
+
+def test_empty_zero_dim_int_and_bool_tensors():
+    tensors = [torch.tensor([]), torch.tensor(2.5), torch.randint(-5, 5, (40,)),
+               torch.tensor([True, False, True]), torch.zeros(10), torch.randint(0, 3, (SMALL_NUMEL + 5,))]
+    rows = partial_stats(tensors).numpy()
+    assert_matches(rows, tensors)
+    stats = finalize(rows)
+    assert stats["numel"][0] == 0 and np.isnan(stats["min"][0]) and np.isnan(stats["norm"][0])
+    assert stats["mean"][1] == 2.5 and stats["norm"][1] == 2.5
+    assert stats["zero_frac"][4] == 1.0
+
+
+def test_rows_keep_input_order_across_small_and_large_paths():
+    tensors = [torch.full((SMALL_NUMEL * 2,), 1.0), torch.full((3,), 2.0), torch.tensor([]),
+               torch.full((SMALL_NUMEL * 3,), 3.0), torch.full((4,), 4.0)]
+    stats = finalize(partial_stats(tensors).numpy())
+    np.testing.assert_array_equal(stats["max"][[0, 1, 3, 4]], [1.0, 2.0, 3.0, 4.0])
+
+
+def test_partials_of_shards_merge_to_the_whole():
+    whole = torch.randn(10_000)
+    whole[17] = float("inf")
+    shards = list(whole.split(3000)) + [torch.tensor([])]
+    merged = merge(partial_stats(shards).numpy())
+    np.testing.assert_allclose(merged, reference(whole), rtol=1e-6)
+
+
+def test_large_values_keep_their_norm_and_float32_overflow_is_not_called_non_finite():
+    stats = finalize(partial_stats([torch.full((100_000,), 1e15), torch.full((100_000,), 1e30)]).numpy())
+    np.testing.assert_allclose(stats["norm"][0], 1e15 * np.sqrt(100_000), rtol=1e-5)
+    # documented limit of float32 accumulation: the sum of squares overflows, the values are finite
+    assert stats["norm"][1] == np.inf and stats["inf_count"][1] == 0 and stats["max"][1] == 1e30
