@@ -34,8 +34,8 @@ from msprobe_engine.stats.table import MetricKey, StatTable
 
 log = logging.getLogger("msprobe_engine")
 
-#: kinds measured after the optimizer step
-POST_STEP_KINDS = frozenset({"param", "optim"})
+#: alert events kept in memory for summaries (they are also in every sink)
+ALERT_LOG_SIZE = 1000
 
 Reducer = Callable[[list[MetricKey], Any], Any]
 
@@ -53,6 +53,7 @@ class Monitor:
         self.active = self.config.schedule.is_monitored(0)
         self.transfers = 0
         self.history: deque[StepRecord] = deque(maxlen=self.config.ring_buffer)
+        self.alert_log: deque[AlertEvent] = deque(maxlen=ALERT_LOG_SIZE)
         self.records_written = 0
         self.hook_errors: dict[str, int] = {}
         self.reducer: Reducer | None = None
@@ -261,6 +262,7 @@ class Monitor:
                         event.tag, _fmt(event.value),
                         f" (lasted {event.steps} steps)" if event.phase == "end" else "")
         self.history.append(record)
+        self.alert_log.extend(events)
         for sink in self._sinks:
             self.writer.submit(lambda sink=sink: sink.write(record), f"{type(sink).__name__} write")
         self.records_written += 1
