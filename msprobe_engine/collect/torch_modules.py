@@ -6,7 +6,9 @@ one batched call; nothing is copied to the host here. A module called k
 times in one micro-step is named `path`, `path:1`, ... `path:k-1`; calls in
 later micro-steps of the same optimizer step merge into the same names.
 Forward recomputation during backward (activation checkpointing) is not
-counted again.
+counted again; its calls are numbered like the original ones (in recompute
+order, which matches the original order unless one module is shared by
+several checkpointed segments).
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ class ModuleHooks:
         self.outputs = watch.module_outputs
         self.grads = watch.activation_grads
         self.calls: dict[str, int] = defaultdict(int)
+        self.recomputed: dict[str, int] = defaultdict(int)
         self.handles: list = [model.register_forward_pre_hook(self._root_pre_hook)]
         self.paths: list[str] = []
         if not (self.inputs or self.outputs or self.grads):
@@ -66,6 +69,7 @@ class ModuleHooks:
         if in_backward():
             return
         self.calls.clear()
+        self.recomputed.clear()
         self.monitor.micro_step_begin()
 
     def _make_hook(self, path: str):
@@ -76,9 +80,9 @@ class ModuleHooks:
                 return
             with monitor.guard(f"forward hook of {path}"):
                 recompute = in_backward()
-                n = self.calls[path]
-                if not recompute:
-                    self.calls[path] = n + 1
+                counter = self.recomputed if recompute else self.calls
+                n = counter[path]
+                counter[path] = n + 1
                 name = path if n == 0 else f"{path}:{n}"
                 self._collect(name, args, kwargs, output, recompute)
 

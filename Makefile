@@ -1,0 +1,41 @@
+# Set-up and everyday commands. Every target creates or updates .venv as needed,
+# with the versions pinned in constraints.txt (torch 2.13.0 CPU lies on disk).
+PYTHON3 ?= python3
+VENV    := .venv
+PY      := $(VENV)/bin/python
+PIP     := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
+export OMP_NUM_THREADS := 1
+export DS_BUILD_OPS := 0
+export DS_ACCELERATOR := cpu
+
+.PHONY: demo test bench install install-all clean
+
+demo: $(VENV)/.core
+	$(PY) -m examples.demo
+
+test: $(VENV)/.all
+	$(PY) -m pytest -q
+
+bench: $(VENV)/.all
+	$(PY) bench/overhead.py
+	@for b in bench/dump.py bench/compare.py bench/deepspeed_overhead.py bench/megatron_overhead.py bench/mindspore_overhead.py; do \
+		if [ -f $$b ]; then echo "== $$b"; $(PY) $$b || exit 1; fi; done
+
+install: $(VENV)/.core
+install-all: $(VENV)/.all
+
+$(PY):
+	$(PYTHON3) -m venv $(VENV)
+
+# The core (torch + TensorBoard): enough for the demo.
+$(VENV)/.core: pyproject.toml constraints.txt | $(PY)
+	$(PIP) -e ".[torch,test]"
+	touch $@
+
+# Everything the tests need: the real DeepSpeed, Megatron-core and MindSpore.
+$(VENV)/.all: $(VENV)/.core
+	$(PIP) -e ".[torch,test,deepspeed,megatron,mindspore]"
+	touch $@
+
+clean:
+	rm -rf $(VENV) demo_output .pytest_cache

@@ -1,0 +1,92 @@
+"""Sinks read back: TensorBoard event files (EventAccumulator), CSV, JSONL; the writer's queue."""
+import csv
+import json
+import threading
+
+import numpy as np
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from examples.tiny_gpt import TinyGPT, synthetic_batches
+from msprobe_engine.sinks import BackgroundWriter
+from msprobe_integrations.torch import TorchMonitor
+
+
+def run_monitored(tmp_path, steps=3):
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    monitor = TorchMonitor(model, opt, {"output_dir": str(tmp_path), "strict": True,
+                                        "sinks": ["tensorboard", "csv", "jsonl"],
+                                        "watch": {"activation_grads": True}})
+    reference = []
+    for tokens, targets in synthetic_batches(model.cfg, steps):
+        loss = model(tokens, targets)
+        opt.zero_grad()
+        loss.backward()
+        reference.append({"loss": loss.item(), "fc1_grad_norm": model.layers[0].mlp[0].weight.grad.norm().item(),
+                          "head_grad_max": model.head.weight.grad.max().item()})
+        opt.step()
+        monitor.step_end(loss)
+    monitor.close()
+    return monitor, reference
+
+
+def test_tensorboard_events_read_back_with_tags_steps_and_values(tmp_path):
+    monitor, reference = run_monitored(tmp_path)
+    acc = EventAccumulator(str(tmp_path / "rank0"), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "grad/global/norm", "grad/layers.0.mlp.0.weight/norm",
+            "actv/layers.0.mlp.0/output/max", "actv_grad/layers.1.attn/output.0/norm",
+            "optim/head.weight/exp_avg/norm", "optim/head.weight/exp_avg_sq/mean"} <= tags
+    loss = acc.Scalars("train/loss")
+    assert [e.step for e in loss] == [0, 1, 2]
+    np.testing.assert_allclose([e.value for e in loss], [r["loss"] for r in reference], rtol=1e-6)
+    np.testing.assert_allclose([e.value for e in acc.Scalars("grad/layers.0.mlp.0.weight/norm")],
+                               [r["fc1_grad_norm"] for r in reference], rtol=1e-5)
+    np.testing.assert_allclose([e.value for e in acc.Scalars("grad/head.weight/max")],
+                               [r["head_grad_max"] for r in reference], rtol=1e-6)
+
+
+def test_csv_and_jsonl_hold_the_same_records(tmp_path):
+    monitor, reference = run_monitored(tmp_path)
+    with open(tmp_path / "rank0" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    lines = [json.loads(line) for line in (tmp_path / "rank0" / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 3 and lines[0]["rank"] == 0 and lines[0]["micro_steps"] == 1
+    from_csv = {(int(r["step"]), r["tag"]): float(r["value"]) for r in rows}
+    for line in lines:
+        for tag, value in line["metrics"].items():
+            assert from_csv[(line["step"], tag)] == value
+
+
+def test_full_queue_drops_and_counts_or_waits():
+    gate = threading.Event()
+    done = []
+    writer = BackgroundWriter(queue_size=1, when_full="drop")
+    writer.submit(gate.wait, "blocker")       # taken by the thread, which then blocks
+    while writer._queue.unfinished_tasks and writer._queue.qsize():
+        pass
+    accepted = [writer.submit(lambda i=i: done.append(i), "record") for i in range(5)]
+    gate.set()
+    writer.close()
+    assert accepted.count(True) >= 1 and writer.dropped == accepted.count(False) >= 3
+    assert len(done) == accepted.count(True)
+
+    waiting = BackgroundWriter(queue_size=1, when_full="wait")
+    for i in range(20):
+        waiting.submit(lambda i=i: done.append(i), "record")
+    waiting.close()
+    assert waiting.dropped == 0 and len(done) == accepted.count(True) + 20
+
+
+def test_a_failing_write_is_reported_and_the_writer_goes_on(caplog):
+    writer = BackgroundWriter(queue_size=4)
+    done = []
+    writer.submit(lambda: 1 / 0, "bad sink")
+    writer.submit(lambda: done.append(1), "good sink")
+    writer.flush()
+    writer.close()
+    assert done == [1] and writer.failed == 1
+    assert any("bad sink failed: ZeroDivisionError" in r.message for r in caplog.records)
