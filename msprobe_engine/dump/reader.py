@@ -1,0 +1,177 @@
+"""Load dump directories: ``dump_path/step{N}/rank{R}/{dump.json, stack.json, construct.json, dump_tensor_data/}``.
+
+Tensors are loaded one at a time on request (``RankDump.load_tensor``): ``.pt`` through
+``torch.load(weights_only=True)`` (torch imported only then), ``.npy`` with ``allow_pickle=False``.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from msprobe_engine.dump.schema import TensorRef, validate_dump_json
+
+DUMP_JSON = "dump.json"
+STACK_JSON = "stack.json"
+CONSTRUCT_JSON = "construct.json"
+TENSOR_DIR = "dump_tensor_data"
+_STEP_RE = re.compile(r"^step(\d+)$")
+_RANK_RE = re.compile(r"^rank(\d*)$")
+
+DumpKey = tuple[int | None, int | None]
+
+
+class DumpError(ValueError):
+    """A dump that cannot be used; the message names the file (and entry) at fault."""
+
+
+def read_json(path: Path) -> Any:
+    """Parse a JSON file (NaN/Infinity allowed); errors name the file, line and column."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise DumpError(f"{path}: file not found") from None
+    except json.JSONDecodeError as e:
+        raise DumpError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise DumpError(f"{path}: cannot read: {e}") from None
+
+
+@dataclass
+class RankDump:
+    """One rank directory: the parsed dump.json and lazy access to its tensors."""
+    path: Path
+    step: int | None
+    rank: int | None
+    meta: dict[str, Any]
+    data: dict[str, Any]
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def task(self) -> str:
+        return self.meta.get("task", "")
+
+    @property
+    def framework(self) -> str:
+        return self.meta.get("framework", "")
+
+    @property
+    def dump_json(self) -> Path:
+        return self.path / DUMP_JSON
+
+    def construct(self) -> dict[str, Any]:
+        """construct.json (entry -> parent entry), or {} when the file is absent."""
+        file = self.path / CONSTRUCT_JSON
+        return read_json(file) if file.exists() else {}
+
+    def stack(self) -> dict[str, Any]:
+        """stack.json (entry -> call stack), or {} when the file is absent."""
+        file = self.path / STACK_JSON
+        return read_json(file) if file.exists() else {}
+
+    def tensor_file(self, ref: TensorRef) -> Path:
+        """The file of a tensor record, checked to lie inside dump_tensor_data/."""
+        where = f"{self.dump_json}: data[{ref.entry!r}].{ref.label}"
+        name = ref.record.get("data_name")
+        if not isinstance(name, str) or not name:
+            raise DumpError(f"{where}: no 'data_name' (dump task {self.task!r} saved no tensor)")
+        rel = Path(name)
+        if rel.is_absolute() or ".." in rel.parts:
+            raise DumpError(f"{where}: data_name {name!r} must be a plain name inside {TENSOR_DIR}/")
+        base = (self.path / TENSOR_DIR).resolve()
+        file = (base / rel).resolve()
+        if base != file and base not in file.parents:
+            raise DumpError(f"{where}: data_name {name!r} resolves outside {TENSOR_DIR}/ (to {file})")
+        if not file.is_file():
+            raise DumpError(f"{where}: tensor file {self.path / TENSOR_DIR / rel} is missing")
+        return file
+
+    def load_tensor(self, ref: TensorRef) -> np.ndarray:
+        """Load one tensor as a numpy array (bfloat16 and other types numpy lacks become float32)."""
+        file = self.tensor_file(ref)
+        where = f"{file} (data[{ref.entry!r}].{ref.label})"
+        try:
+            if file.suffix == ".npy":
+                return np.load(file, allow_pickle=False)
+            if file.suffix == ".pt":
+                return _load_pt(file)
+        except Exception as e:  # torch.load/np.load raise many types for a corrupt or foreign file
+            raise DumpError(f"{where}: cannot load tensor: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+        raise DumpError(f"{where}: unknown tensor file type {file.suffix!r} (expected .pt or .npy)")
+
+
+def _load_pt(file: Path) -> np.ndarray:
+    import torch  # lazy: only tensor dumps written by PyTorch need it
+
+    obj = torch.load(file, map_location="cpu", weights_only=True)
+    if not isinstance(obj, torch.Tensor):
+        raise ValueError(f"holds a {type(obj).__name__}, not a tensor")
+    obj = obj.detach().resolve_conj().resolve_neg()
+    try:
+        return obj.numpy()
+    except TypeError:  # bfloat16, float8: types numpy lacks
+        return obj.float().numpy()
+
+
+def load_rank_dir(path: Path, strict: bool = True) -> RankDump:
+    """Load one rank directory; with ``strict`` schema problems raise, else they land in ``problems``."""
+    if not path.is_dir():
+        raise DumpError(f"{path}: not a directory")
+    file = path / DUMP_JSON
+    if not file.is_file():
+        raise DumpError(f"{path}: no {DUMP_JSON} in this rank directory")
+    doc = read_json(file)
+    problems = validate_dump_json(doc)
+    if not isinstance(doc, dict) or not isinstance(doc.get("data"), dict):
+        raise DumpError(f"{file}: " + "; ".join(problems))
+    if strict and problems:
+        raise DumpError(f"{file}: {len(problems)} problem(s):\n  " + "\n  ".join(problems))
+    meta = {k: v for k, v in doc.items() if k != "data"}
+    step_match = _STEP_RE.match(path.parent.name)
+    rank_match = _RANK_RE.match(path.name)
+    return RankDump(path=path, step=int(step_match.group(1)) if step_match else None,
+                    rank=int(rank_match.group(1)) if rank_match and rank_match.group(1) else None,
+                    meta=meta, data=doc["data"], problems=[f"{file}: {p}" for p in problems])
+
+
+def _rank_dirs(step_dir: Path) -> list[Path]:
+    return sorted((d for d in step_dir.iterdir() if d.is_dir() and _RANK_RE.match(d.name)),
+                  key=lambda d: int(d.name[4:] or -1))
+
+
+def find_rank_dirs(path: Path | str) -> list[Path]:
+    """The rank directories under a rank dir, a step dir or a dump_path root, in (step, rank) order."""
+    path = Path(path)
+    if not path.exists():
+        raise DumpError(f"{path}: no such directory")
+    if not path.is_dir():
+        raise DumpError(f"{path}: not a directory")
+    if (path / DUMP_JSON).exists():
+        return [path]
+    found = _rank_dirs(path)
+    if not found:
+        steps = sorted((d for d in path.iterdir() if d.is_dir() and _STEP_RE.match(d.name)),
+                       key=lambda d: int(d.name[4:]))
+        found = [r for s in steps for r in _rank_dirs(s)]
+    if not found:
+        raise DumpError(f"{path}: no {DUMP_JSON} here and no step*/rank*/ or rank*/ directories below")
+    return found
+
+
+def load_dump(path: Path | str, strict: bool = True) -> dict[DumpKey, RankDump]:
+    """Load a rank directory or every ``step*/rank*/`` below a dump root, keyed by (step, rank).
+
+    ``step``/``rank`` are None where the directory names carry no number (a bare ``rank`` dir
+    of a single-process run). With ``strict`` (default) any schema problem raises
+    ``DumpError``; otherwise problems are kept in ``RankDump.problems``.
+    """
+    dumps: dict[DumpKey, RankDump] = {}
+    for rank_dir in find_rank_dirs(path):
+        dump = load_rank_dir(rank_dir, strict=strict)
+        dumps[(dump.step, dump.rank)] = dump
+    return dumps
