@@ -1,0 +1,154 @@
+"""Command line: ``msprobe-engine <verb> ...`` (also ``python -m msprobe_engine``).
+
+A verb is one entry of ``VERBS``: its help line, a function adding its arguments to a
+sub-parser, and a function running it from the parsed arguments (returning the exit code).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from msprobe_engine.dump.reader import DumpError
+
+
+class Verb(NamedTuple):
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def _write_json(obj: Any, target: str) -> None:
+    text = json.dumps(obj, indent=1, default=str)
+    if target == "-":
+        print(text)
+    else:
+        Path(target).write_text(text + "\n", encoding="utf-8")
+
+
+# ------------------------------------------------------------------ analyze
+
+def _analyze_arguments(p: argparse.ArgumentParser) -> None:
+    from msprobe_engine.analysis.overflow import MUTATION_RATIO
+
+    p.add_argument("dump", help="a rank directory (with dump.json) or a dump root with step*/rank*/")
+    p.add_argument("--rules", action="append", default=[], metavar="YAML",
+                   help="extra ignore rules (same layout as the packaged ignore_rules.yaml); repeatable")
+    p.add_argument("--mutation-ratio", type=float, default=MUTATION_RATIO,
+                   help="output Norm above this many times the input Norm is a numerical mutation "
+                        f"(default {MUTATION_RATIO:g})")
+    p.add_argument("--json", metavar="PATH", help="also write the result as JSON ('-' prints it instead of the table)")
+
+
+def _analyze_run(args: argparse.Namespace) -> int:
+    from msprobe_engine.analysis.overflow import analyze
+    from msprobe_engine.analysis.report import format_analysis
+
+    results = analyze(args.dump, rules=args.rules, mutation_ratio=args.mutation_ratio)
+    if args.json != "-":
+        print(format_analysis(results))
+    if args.json:
+        _write_json([r.as_dict() for r in results], args.json)
+    return 0
+
+
+# ------------------------------------------------------------------ compare
+
+def _threshold(text: str) -> tuple[str, float]:
+    from msprobe_engine.analysis.compare import Thresholds
+
+    name, _, value = text.partition("=")
+    names = [f.name for f in dataclasses.fields(Thresholds)]
+    if name not in names:
+        raise argparse.ArgumentTypeError(f"unknown threshold {name!r}; one of {', '.join(names)}")
+    try:
+        return name, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"threshold {name}: {value!r} is not a number") from None
+
+
+def _compare_arguments(p: argparse.ArgumentParser) -> None:
+    from msprobe_engine.analysis.runs import ATOL, RTOL
+
+    p.add_argument("a", help="baseline: a dump (rank dir or dump root) or a monitor run (dir or metrics.jsonl)")
+    p.add_argument("b", help="target, of the same kind as A")
+    p.add_argument("-o", "--output", metavar="CSV",
+                   help="dumps: the CSV of all rows (default compare_result_<time>.csv)")
+    p.add_argument("--xlsx", metavar="PATH", help="dumps: also write the rows as xlsx (needs openpyxl)")
+    p.add_argument("--statistics-only", action="store_true", help="dumps: compare statistics, do not load tensors")
+    p.add_argument("--threshold", action="append", type=_threshold, default=[], metavar="NAME=VALUE",
+                   help="dumps: override a status threshold (cosine_error, cosine_warning, thousandth_warning, "
+                        "stat_rel_error, stat_rel_warning); repeatable")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="dumps: progress line on stderr (default: only on a terminal)")
+    p.add_argument("--rtol", type=float, default=RTOL, help=f"runs: relative tolerance (default {RTOL:g})")
+    p.add_argument("--atol", type=float, default=ATOL, help=f"runs: absolute tolerance (default {ATOL:g})")
+    p.add_argument("--json", metavar="PATH", help="also write the summary as JSON ('-' for stdout)")
+
+
+def _compare_dumps_run(args: argparse.Namespace) -> int:
+    from msprobe_engine.analysis.compare import Thresholds, compare_dumps
+    from msprobe_engine.analysis.report import RowWriter, format_comparison
+
+    csv_path = args.output or f"compare_result_{time.strftime('%Y%m%d%H%M%S')}.csv"
+    with RowWriter(csv_path, args.xlsx) as writer:
+        comp = compare_dumps(args.a, args.b, Thresholds(**dict(args.threshold)),
+                             statistics_only=args.statistics_only, on_row=writer.write, keep_rows=False,
+                             progress=args.progress)
+    if args.json != "-":
+        print(format_comparison(comp))
+        print(f"rows written to {csv_path}" + (f" and {args.xlsx}" if args.xlsx else ""))
+    if args.json:
+        _write_json(comp.summary(), args.json)
+    return 0
+
+
+def _compare_runs_run(args: argparse.Namespace) -> int:
+    from msprobe_engine.analysis.report import format_runs
+    from msprobe_engine.analysis.runs import compare_runs
+
+    result = compare_runs(args.a, args.b, rtol=args.rtol, atol=args.atol)
+    if args.json != "-":
+        print(format_runs(result))
+    if args.json:
+        _write_json(result.as_dict(), args.json)
+    return 0
+
+
+def _compare_run(args: argparse.Namespace) -> int:
+    from msprobe_engine.analysis.runs import is_run
+
+    if is_run(args.a) and is_run(args.b):
+        return _compare_runs_run(args)
+    return _compare_dumps_run(args)
+
+
+VERBS: dict[str, Verb] = {
+    "analyze": Verb("find where a dump first went bad (nan/inf scenes, ignore rules)",
+                    _analyze_arguments, _analyze_run),
+    "compare": Verb("compare two dumps (statistics or tensors) or two monitor runs",
+                    _compare_arguments, _compare_run),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="msprobe-engine", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+    for name, verb in VERBS.items():
+        verb.add_arguments(sub.add_parser(name, help=verb.help, description=verb.help))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one verb; exit code 0 on success, 1 when an input cannot be used, 2 on bad arguments."""
+    args = build_parser().parse_args(argv)
+    try:
+        return VERBS[args.verb].run(args)
+    except (DumpError, OSError, ValueError, RuntimeError) as e:
+        print(f"msprobe-engine {args.verb}: error: {e}", file=sys.stderr)
+        return 1
