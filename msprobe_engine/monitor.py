@@ -44,7 +44,7 @@ class Monitor:
     """Per-step numerical-health monitor. See the module docstring for the lifecycle."""
 
     def __init__(self, config: ConfigSource = None, *, rank: int | None = None,
-                 backend: Any = None) -> None:
+                 backend: Any = None, writes: bool | None = None) -> None:
         self.config: MonitorConfig = load_config(config)
         self.rank = _default_rank() if rank is None else rank
         self.backend = backend
@@ -59,7 +59,9 @@ class Monitor:
         self.reducer: Reducer | None = None
         self.step_end_listeners: list[Callable[[StepRecord], None]] = []
         self._rules = build_rules(self.config.alerts)
+        self._tags: dict[MetricKey, list[str]] = {}
         self._tracker = AlertTracker()
+        self._count_zeros = "zero_frac" in self.config.stats
         self.decide_early = any(r.action != "continue" for r in self.config.alerts)
         self._pending: list[tuple[int, list[MetricKey], Any]] = []
         self._early: dict[int, tuple[StatTable, list[AlertEvent]]] = {}
@@ -67,7 +69,8 @@ class Monitor:
         self._attachments: list = []
         self._warned: set[str] = set()
         self.run_dir = Path(self.config.output_dir) / f"rank{self.rank}"
-        writes = self.rank == 0 or self.config.per_rank
+        if writes is None:  # an integration may choose, e.g. one writer per pipeline stage
+            writes = self.rank == 0 or self.config.per_rank
         self._sinks = create_sinks(self.config.sinks, self.run_dir) if writes else []
         self.writer = BackgroundWriter(self.config.writer.queue_size, self.config.writer.when_full,
                                        strict=self.config.strict)
@@ -98,7 +101,8 @@ class Monitor:
     def add_tensors(self, keys: Sequence[MetricKey], tensors: Sequence[Any]) -> None:
         """Measure `tensors` (named by `keys`) on their device; no host transfer."""
         if self.active and tensors:
-            self._pending.append((self.step, list(keys), self.backend.partial_stats(tensors)))
+            rows = self.backend.partial_stats(tensors, count_zeros=self._count_zeros)
+            self._pending.append((self.step, list(keys), rows))
 
     def report_loss(self, loss: Any) -> None:
         """Tell the monitor this step's loss (a tensor or a number), before or after the step."""
@@ -141,13 +145,18 @@ class Monitor:
 
     def close(self) -> None:
         """Emit what is still pending, flush every writer and close the sinks."""
-        if self.decide_early and (self._pending or self._early):
-            with self.guard("close"):
-                self._emit_late(self._transfer() if self._pending else {})
+        self.drain()
         for sink in self._sinks:
             self.writer.submit(sink.close, "sink close")
         self.detach()
         self.writer.close()
+
+    def drain(self) -> None:
+        """Emit the records still held back (early-decision mode keeps a step's record until
+        the next transfer); call it after `step_end`, e.g. when the run is about to stop."""
+        if self.decide_early and (self._pending or self._early):
+            with self.guard("drain"):
+                self._emit_late(self._transfer() if self._pending else {})
 
     def flush(self) -> None:
         """Wait until everything submitted so far is written."""
@@ -227,21 +236,30 @@ class Monitor:
 
     def _evaluate(self, table: StatTable) -> list[Firing]:
         stats = table.finalized()
-        metrics = self._metrics(table, stats)
+        metrics = self._metrics(table)
         return [f for rule in self._rules for f in rule.evaluate(table, stats, metrics)]
 
-    def _metrics(self, table: StatTable, stats: dict[str, np.ndarray]) -> dict[str, float]:
+    def _metrics(self, table: StatTable) -> dict[str, float]:
+        """Tag -> value for the sinks (computed once per table)."""
+        if table.metrics is not None:
+            return table.metrics
+        stats = table.finalized()
         metrics: dict[str, float] = {}
-        wanted = self.config.stats
+        columns = [(stat, stats[stat].tolist()) for stat in self.config.stats]
+        means = stats["mean"].tolist()
         for i, key in enumerate(table.keys):
             if key.kind == "train":
-                metrics[f"train/{key.path}"] = float(stats["mean"][i])
+                metrics[f"train/{key.path}"] = means[i]
                 continue
-            for stat in wanted:
-                metrics[key.tag(stat)] = float(stats[stat][i])
+            tags = self._tags.get(key)
+            if tags is None:
+                tags = self._tags[key] = [key.tag(stat) for stat in self.config.stats]
+            for tag, (_, values) in zip(tags, columns):
+                metrics[tag] = values[i]
         if table.select("grad").any():
             metrics["grad/global/norm"] = table.global_norm("grad")
         self._add_ratios(table, stats, metrics)
+        table.metrics = metrics
         return metrics
 
     def _add_ratios(self, table: StatTable, stats: dict[str, np.ndarray], metrics: dict[str, float]) -> None:
@@ -254,9 +272,8 @@ class Monitor:
                     metrics[f"optim/{key.path}/ratio"] = float(stats["norm"][i] / param_norm[key.path])
 
     def _emit(self, step: int, table: StatTable, events: list[AlertEvent]) -> StepRecord:
-        stats = table.finalized()
         record = StepRecord(step=step, rank=self.rank, micro_steps=self.micro_steps,
-                            metrics=self._metrics(table, stats), alerts=events, wall_time=time.time())
+                            metrics=self._metrics(table), alerts=events, wall_time=time.time())
         for event in events:
             log.warning("msprobe alert %s %s at step %d: %s = %s%s", event.rule, event.phase, event.step,
                         event.tag, _fmt(event.value),

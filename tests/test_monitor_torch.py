@@ -255,12 +255,12 @@ class BrokenBackend:
         self.real = real
         self.calls = 0
 
-    def partial_stats(self, tensors):
+    def partial_stats(self, tensors, **options):
         import inspect
         frame = inspect.currentframe().f_back.f_back
         if "layers.0.ln1" in str(frame.f_locals.get("name", "")):
             raise RuntimeError("boom")
-        return self.real.partial_stats(tensors)
+        return self.real.partial_stats(tensors, **options)
 
     def __getattr__(self, name):
         return getattr(self.real, name)

@@ -39,7 +39,7 @@ def test_random_tensors_of_every_size(dtype):
     gen = torch.Generator().manual_seed(1)
     tensors = [(torch.randn(n, generator=gen) * 3 + 0.5).to(dtype) for n in SIZES]
     tensors.append(torch.randn(64, 33, generator=gen).to(dtype).t())  # non-contiguous
-    assert_matches(partial_stats(tensors).numpy(), tensors)
+    assert_matches(partial_stats(tensors, count_zeros=True).numpy(), tensors)
 
 
 @pytest.mark.parametrize("size", [5, 100_000])
@@ -51,7 +51,7 @@ def test_non_finite_values_propagate_and_are_counted(size):
     with_inf[2] = float("-inf")
     with_both[0], with_both[1] = float("nan"), float("inf")
     tensors = [with_nan, with_inf, with_both]
-    rows = partial_stats(tensors).numpy()
+    rows = partial_stats(tensors, count_zeros=True).numpy()
     assert_matches(rows, tensors)
     stats = finalize(rows)
     assert np.isnan(stats["norm"][0]) and np.isnan(stats["max"][0])
@@ -62,7 +62,7 @@ def test_non_finite_values_propagate_and_are_counted(size):
 def test_empty_zero_dim_int_and_bool_tensors():
     tensors = [torch.tensor([]), torch.tensor(2.5), torch.randint(-5, 5, (40,)),
                torch.tensor([True, False, True]), torch.zeros(10), torch.randint(0, 3, (SMALL_NUMEL + 5,))]
-    rows = partial_stats(tensors).numpy()
+    rows = partial_stats(tensors, count_zeros=True).numpy()
     assert_matches(rows, tensors)
     stats = finalize(rows)
     assert stats["numel"][0] == 0 and np.isnan(stats["min"][0]) and np.isnan(stats["norm"][0])
@@ -73,7 +73,7 @@ def test_empty_zero_dim_int_and_bool_tensors():
 def test_rows_keep_input_order_across_small_and_large_paths():
     tensors = [torch.full((SMALL_NUMEL * 2,), 1.0), torch.full((3,), 2.0), torch.tensor([]),
                torch.full((SMALL_NUMEL * 3,), 3.0), torch.full((4,), 4.0)]
-    stats = finalize(partial_stats(tensors).numpy())
+    stats = finalize(partial_stats(tensors, count_zeros=True).numpy())
     np.testing.assert_array_equal(stats["max"][[0, 1, 3, 4]], [1.0, 2.0, 3.0, 4.0])
 
 
@@ -81,7 +81,7 @@ def test_partials_of_shards_merge_to_the_whole():
     whole = torch.randn(10_000)
     whole[17] = float("inf")
     shards = list(whole.split(3000)) + [torch.tensor([])]
-    merged = merge(partial_stats(shards).numpy())
+    merged = merge(partial_stats(shards, count_zeros=True).numpy())
     np.testing.assert_allclose(merged, reference(whole), rtol=1e-6)
 
 
@@ -90,3 +90,9 @@ def test_large_values_keep_their_norm_and_float32_overflow_is_not_called_non_fin
     np.testing.assert_allclose(stats["norm"][0], 1e15 * np.sqrt(100_000), rtol=1e-5)
     # documented limit of float32 accumulation: the sum of squares overflows, the values are finite
     assert stats["norm"][1] == np.inf and stats["inf_count"][1] == 0 and stats["max"][1] == np.float32(1e30)
+
+
+def test_the_zero_count_is_only_taken_on_request():
+    tensors = [torch.zeros(10), torch.zeros(SMALL_NUMEL + 1)]
+    assert np.isnan(finalize(partial_stats(tensors).numpy())["zero_frac"]).all()
+    assert (finalize(partial_stats(tensors, count_zeros=True).numpy())["zero_frac"] == 1.0).all()

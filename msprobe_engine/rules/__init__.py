@@ -66,6 +66,8 @@ class SpikeRule:
         self._average: dict[str, float] = {}
         self._seen: dict[str, int] = {}
         self._matches: dict[str, bool] = {}
+        globbing = any(ch in p for p in spec.metrics for ch in "*?[")
+        self._exact: list[str] | None = None if globbing else list(spec.metrics)
 
     def _watched(self, tag: str) -> bool:
         hit = self._matches.get(tag)
@@ -73,11 +75,16 @@ class SpikeRule:
             hit = self._matches[tag] = any(fnmatch.fnmatchcase(tag, p) for p in self.spec.metrics)
         return hit
 
+    def _candidates(self, metrics: dict[str, float]):
+        if self._exact is not None:  # plain tag names: direct look-ups, no scan
+            return ((tag, metrics[tag]) for tag in self._exact if tag in metrics)
+        return ((tag, value) for tag, value in metrics.items() if self._watched(tag))
+
     def evaluate(self, table, stats, metrics) -> list[Firing]:
         out = []
         spec = self.spec
-        for tag, value in metrics.items():
-            if not self._watched(tag) or math.isnan(value):
+        for tag, value in self._candidates(metrics):
+            if math.isnan(value):
                 continue
             average = self._average.get(tag)
             seen = self._seen.get(tag, 0)

@@ -1,7 +1,7 @@
 """Host-side statistics of one step: keyed rows, merged and finalized."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple
 
 import numpy as np
@@ -27,6 +27,8 @@ class StatTable:
     """Partial rows for unique keys in execution order (first appearance wins)."""
     keys: list[MetricKey]
     partials: np.ndarray  # [len(keys), 8]
+    metrics: dict[str, float] | None = field(default=None, repr=False)  # filled by the monitor
+    _finalized: dict[str, np.ndarray] | None = field(default=None, repr=False)
 
     @classmethod
     def from_rows(cls, keys: Iterable[MetricKey], rows: np.ndarray) -> "StatTable":
@@ -44,7 +46,9 @@ class StatTable:
         return cls(list(index), merged)
 
     def finalized(self) -> dict[str, np.ndarray]:
-        return finalize(self.partials)
+        if self._finalized is None:
+            self._finalized = finalize(self.partials)
+        return self._finalized
 
     def select(self, kind: str) -> np.ndarray:
         """Boolean mask of the rows of one kind."""
