@@ -1,7 +1,7 @@
 """Monitor overhead on the demo model: median step time over a run without the tool.
 
 Five copies of the same model train side by side in one process, one step of
-each in turn (interleaved, so machine noise hits every config alike), at
+each in turn, in a rotating order (so machine noise hits every config alike), at
 OMP_NUM_THREADS=1. The LAST printed line is one JSON object mapping each
 config to its ratio over no tool. Goals: everything <= 1.3, grads+optimizer <= 1.05.
 
@@ -57,8 +57,11 @@ def main() -> None:
                                                 "stats": ["min", "max", "mean", "norm", "nan_count", "inf_count"],
                                                 "sinks": ["tensorboard"]})
         runs[name] = (model, opt, monitor, synthetic_batches(model.cfg, args.steps + args.warmup), [])
+    names = list(runs)
     for i in range(args.steps + args.warmup):
-        for name, (model, opt, monitor, batches, times) in runs.items():
+        shift = i % len(names)  # rotate the order each round, so no config always runs first
+        for name in names[shift:] + names[:shift]:
+            model, opt, monitor, batches, times = runs[name]
             tokens, targets = next(batches)
             start = time.perf_counter()
             loss = model(tokens, targets)

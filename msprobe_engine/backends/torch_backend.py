@@ -30,6 +30,10 @@ SMALL_NUMEL = 2048
 #: and the chunk sums in float64 (relative error about 1e-7 instead of 1e-4).
 NORM_CHUNK = 4096
 
+#: A size class of small tensors is padded into one matrix only when it has this many
+#: members; fewer go through the per-tensor path (cheaper below that).
+MIN_BATCH = 4
+
 _LOW_PRECISION = (torch.float16, torch.bfloat16, torch.float32)
 _UNKNOWN = float("nan")
 
@@ -57,6 +61,8 @@ def partial_stats(tensors: Sequence[torch.Tensor], count_zeros: bool = False) ->
         else:
             key = ("large", flat.device)
         groups.setdefault(key, []).append((pos, flat))
+    for key in [k for k, members in groups.items() if k[0] == "small" and len(members) < MIN_BATCH]:
+        groups.setdefault(("large", key[2]), []).extend(groups.pop(key))
     for key, members in groups.items():
         flats = [flat for _, flat in members]
         if key[0] == "empty":
@@ -81,9 +87,9 @@ def _empty_rows(count: int, device: torch.device) -> torch.Tensor:
 
 
 def _large_rows(flats: list[torch.Tensor], count_zeros: bool) -> torch.Tensor:
-    """Three reductions per tensor (min/max, sum, chunked sum of squares); the
-    per-tensor scalars are then assembled with a handful of batched ops."""
-    lows, highs, totals, chunk_norms, owners = [], [], [], [], []
+    """Four reductions per tensor (min/max, sum, chunked norms, their float64 norm);
+    the per-tensor scalars are then assembled with a handful of batched ops."""
+    scalars, norms = [], []
     for i, flat in enumerate(flats):
         if flat.dtype in _LOW_PRECISION:
             acc = torch.float32
@@ -91,37 +97,26 @@ def _large_rows(flats: list[torch.Tensor], count_zeros: bool) -> torch.Tensor:
             flat = flats[i] = flat.to(torch.float64)
             acc = torch.float64
         low, high = torch.aminmax(flat)
-        lows.append(low.to(acc))
-        highs.append(high.to(acc))
-        totals.append(flat.sum(dtype=acc))
-        norms = _chunk_norms(flat, acc)
-        chunk_norms.append(norms.to(torch.float64))
-        owners.append(norms.numel())
+        scalars += [low.to(torch.float64), high.to(torch.float64), flat.sum(dtype=acc).to(torch.float64)]
+        norms.append(torch.linalg.vector_norm(_chunk_norms(flat, acc), dtype=torch.float64))
+    count = len(flats)
     device = flats[0].device
+    low_high_sum = torch.stack(scalars).view(count, 3)
+    sumsq = torch.stack(norms).square()
     numel = torch.tensor([f.numel() for f in flats], dtype=torch.float64, device=device)
-    owner = torch.repeat_interleave(torch.arange(len(flats), device=device),
-                                    torch.tensor(owners, device=device))
-    sumsq = torch.zeros(len(flats), dtype=torch.float64, device=device).index_add_(
-        0, owner, torch.cat(chunk_norms).square())
     nans, infs = _non_finite_counts(flats, sumsq)
     if count_zeros:
         zeros = numel - torch.stack([torch.count_nonzero(f) for f in flats]).to(torch.float64)
     else:
         zeros = torch.full_like(numel, _UNKNOWN)
-    return torch.stack([
-        _stack64(lows), _stack64(highs), _stack64(totals), sumsq, nans, infs, zeros, numel,
-    ], dim=1)
-
-
-def _stack64(scalars: list[torch.Tensor]) -> torch.Tensor:
-    if all(s.dtype == scalars[0].dtype for s in scalars):
-        return torch.stack(scalars).to(torch.float64)
-    return torch.stack([s.to(torch.float64) for s in scalars])
+    return torch.cat([low_high_sum, torch.stack([sumsq, nans, infs, zeros, numel], dim=1)], dim=1)
 
 
 def _chunk_norms(flat: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """Norms of fixed-size chunks (float32 within a chunk; summed later in float64)."""
+    """Norms of fixed-size chunks (float32 within a chunk; combined later in float64)."""
     head = flat.numel() // NORM_CHUNK * NORM_CHUNK
+    if head == 0:
+        return flat
     chunks = torch.linalg.vector_norm(flat[:head].view(-1, NORM_CHUNK), dim=1, dtype=acc)
     if head == flat.numel():
         return chunks
