@@ -128,11 +128,28 @@ def _compare_run(args: argparse.Namespace) -> int:
     return _compare_dumps_run(args)
 
 
+# ------------------------------------------------------------------ check-config
+
+def _check_config_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="a monitor config (.yaml, .yml or .json)")
+
+
+def _check_config_run(args: argparse.Namespace) -> int:
+    from msprobe_engine.config import load_config
+
+    config = load_config(args.config)  # a ConfigError (a ValueError) names the key
+    print(f"{args.config}: ok; output_dir={config.output_dir}, sinks={','.join(config.sinks)}, "
+          f"alerts={','.join(r.rule for r in config.alerts)}")
+    return 0
+
+
 VERBS: dict[str, Verb] = {
     "analyze": Verb("find where a dump first went bad (nan/inf scenes, ignore rules)",
                     _analyze_arguments, _analyze_run),
     "compare": Verb("compare two dumps (statistics or tensors) or two monitor runs",
                     _compare_arguments, _compare_run),
+    "check-config": Verb("validate a monitor config file before a run",
+                         _check_config_arguments, _check_config_run),
 }
 
 

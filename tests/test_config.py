@@ -81,3 +81,14 @@ def test_predecessor_schedule_keys_and_conflicts():
         load_config({"wg_distribution": True, "watch": {"param_grads": False}})
     with pytest.raises(ConfigError, match="ops\\[1\\]: 'id' is not one of"):
         load_config({"ops": ["min", "id"]})
+
+
+def test_check_config_verb(tmp_path, capsys):
+    from msprobe_engine.cli import main
+
+    assert main(["check-config", str(CONFIGS / "full.yaml")]) == 0
+    assert "full.yaml: ok" in capsys.readouterr().out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("stats: [nrom]\n")
+    assert main(["check-config", str(bad)]) == 1
+    assert "bad.yaml: stats[0]: 'nrom' is not one of" in capsys.readouterr().err
