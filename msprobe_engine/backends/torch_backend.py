@@ -91,25 +91,30 @@ def _large_rows(flats: list[torch.Tensor], count_zeros: bool) -> torch.Tensor:
     the per-tensor scalars are then assembled with a handful of batched ops."""
     scalars, norms = [], []
     for i, flat in enumerate(flats):
-        if flat.dtype in _LOW_PRECISION:
-            acc = torch.float32
-        else:
+        if flat.dtype not in _LOW_PRECISION:
             flat = flats[i] = flat.to(torch.float64)
-            acc = torch.float64
+        acc = torch.float32 if flat.dtype in _LOW_PRECISION else torch.float64
         low, high = torch.aminmax(flat)
-        scalars += [low.to(torch.float64), high.to(torch.float64), flat.sum(dtype=acc).to(torch.float64)]
+        scalars += [low.to(acc), high.to(acc), flat.sum(dtype=acc)]
         norms.append(torch.linalg.vector_norm(_chunk_norms(flat, acc), dtype=torch.float64))
     count = len(flats)
-    device = flats[0].device
-    low_high_sum = torch.stack(scalars).view(count, 3)
+    low_high_sum = (torch.stack(scalars) if _same_dtype(scalars) else
+                    torch.stack([s.to(torch.float64) for s in scalars])).to(torch.float64).view(count, 3)
     sumsq = torch.stack(norms).square()
-    numel = torch.tensor([f.numel() for f in flats], dtype=torch.float64, device=device)
     nans, infs = _non_finite_counts(flats, sumsq)
+    numel = [float(f.numel()) for f in flats]
     if count_zeros:
-        zeros = numel - torch.stack([torch.count_nonzero(f) for f in flats]).to(torch.float64)
+        zeros = torch.tensor(numel, dtype=torch.float64, device=sumsq.device) - torch.stack(
+            [torch.count_nonzero(f) for f in flats]).to(torch.float64)
     else:
-        zeros = torch.full_like(numel, _UNKNOWN)
-    return torch.cat([low_high_sum, torch.stack([sumsq, nans, infs, zeros, numel], dim=1)], dim=1)
+        zeros = torch.full_like(sumsq, _UNKNOWN)
+    tail = torch.tensor(numel, dtype=torch.float64, device=sumsq.device).unsqueeze(1)
+    return torch.cat([low_high_sum, sumsq.unsqueeze(1), nans.unsqueeze(1), infs.unsqueeze(1),
+                      zeros.unsqueeze(1), tail], dim=1)
+
+
+def _same_dtype(scalars: list[torch.Tensor]) -> bool:
+    return all(s.dtype == scalars[0].dtype for s in scalars)
 
 
 def _chunk_norms(flat: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
