@@ -129,10 +129,12 @@ def _chunk_norms(flat: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
 
 
 def _non_finite_counts(flats: list[torch.Tensor], sumsq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """nan and inf counts per tensor; skipped on CPU when every sum of squares is finite."""
-    if sumsq.device.type == "cpu" and math.isfinite(float(sumsq.sum())):
-        zero = torch.zeros_like(sumsq)
-        return zero, zero
+    """nan and inf counts per tensor; on CPU only for the tensors whose sum of squares is not finite."""
+    if sumsq.device.type == "cpu":
+        nans, infs = torch.zeros_like(sumsq), torch.zeros_like(sumsq)
+        for i in torch.nonzero(~torch.isfinite(sumsq)).flatten().tolist():
+            nans[i], infs[i] = torch.isnan(flats[i]).sum(), torch.isinf(flats[i]).sum()
+        return nans, infs
     nans = torch.stack([torch.isnan(f).sum() for f in flats]).to(torch.float64)
     infs = torch.stack([torch.isinf(f).sum() for f in flats]).to(torch.float64)
     return nans, infs

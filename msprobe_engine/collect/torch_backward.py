@@ -1,0 +1,148 @@
+"""Backward gradients of one call (a module forward or an API) without wrapping its tensors.
+
+For each call the dump wants two lists: the gradient arriving at each output (``input`` of
+the backward entry) and the gradient each input receives *through this call* (``output``).
+`register_full_backward_hook` gets them by passing inputs and outputs through an identity
+autograd Function, which makes any later in-place op on them an error ("Output 0 of
+BackwardHookFunction is a view and is being modified inplace"). Here nothing is replaced:
+
+- output gradients come from tensor hooks on the outputs;
+- before the call, the gradient edges of the inputs are noted together with the autograd
+  sequence number; after it, the nodes the call created (sequence numbers in that window)
+  are walked from the outputs, and a hook goes on every node edge that points at an input.
+  The gradients on those edges, summed per input, are what flows into it through this call.
+
+Hooks return None: gradients and training numbers are untouched.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Sequence
+
+import torch
+from torch.autograd.graph import get_gradient_edge
+
+from msprobe_engine.collect.torch_modules import in_backward
+
+__all__ = ["CallEdges", "GradCall", "after_call", "before_call", "in_backward"]
+
+_sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None)
+#: most autograd nodes walked for one call (a guard against walking a foreign graph)
+MAX_NODES = 50_000
+
+Done = Callable[["GradCall"], None]
+
+
+class CallEdges:
+    """What is noted before a call: the input edges and the autograd sequence number."""
+    __slots__ = ("start", "edges", "count")
+
+    def __init__(self, inputs: Sequence[torch.Tensor]) -> None:
+        self.start = _sequence_nr() if _sequence_nr is not None else None
+        self.count = len(inputs)
+        self.edges: dict[tuple, list[int]] = {}
+        for i, tensor in enumerate(inputs):
+            if tensor.requires_grad:
+                edge = get_gradient_edge(tensor)
+                self.edges.setdefault((edge.node, edge.output_nr), []).append(i)
+
+
+def before_call(inputs: Sequence[torch.Tensor]) -> CallEdges | None:
+    """Note the inputs' gradient edges, or None when no graph is being recorded."""
+    return CallEdges(inputs) if torch.is_grad_enabled() else None
+
+
+class GradCall:
+    """The backward gradients of one call, filled by hooks; `done(self)` runs once all arrived."""
+
+    def __init__(self, tag: object, n_outputs: int, n_inputs: int, done: Done) -> None:
+        self.tag = tag
+        self.output_grads: list[torch.Tensor | None] = [None] * n_outputs
+        self.input_grads: list[torch.Tensor | None] = [None] * n_inputs
+        self.expected = 0
+        self.finished = False
+        self._done = done
+        self._handles: list = []
+        self._lock = threading.Lock()
+
+    def _arrived(self) -> None:
+        self.expected -= 1
+        if self.expected == 0:
+            self.finish()
+
+    def _add_input(self, slot: int, grad: torch.Tensor | None) -> None:
+        if grad is None:
+            return
+        current = self.input_grads[slot]
+        self.input_grads[slot] = grad if current is None else current + grad
+
+    def output_hook(self, index: int, feeds: Sequence[int]):
+        def hook(grad: torch.Tensor) -> None:
+            with self._lock:
+                if self.finished:
+                    return
+                self.output_grads[index] = grad
+                for slot in feeds:  # the output is an input returned as it is
+                    self._add_input(slot, grad)
+                self._arrived()
+        return hook
+
+    def node_hook(self, targets: list[tuple[int, list[int]]]):
+        def hook(grad_inputs: tuple, grad_outputs: tuple) -> None:
+            with self._lock:
+                if self.finished:
+                    return
+                for index, slots in targets:
+                    for slot in slots:
+                        self._add_input(slot, grad_inputs[index])
+                self._arrived()
+        return hook
+
+    def finish(self) -> None:
+        """Hand over what arrived (also called for calls whose backward never completed)."""
+        if self.finished:
+            return
+        self.finished = True
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._done(self)
+
+
+def after_call(edges: CallEdges, outputs: Sequence[torch.Tensor], tag: object, done: Done) -> GradCall | None:
+    """Hook the outputs and the call's own autograd nodes; None when no output needs a gradient."""
+    wanted = [(i, t) for i, t in enumerate(outputs) if t.requires_grad]
+    if not wanted:
+        return None
+    call = GradCall(tag, len(outputs), edges.count, done)
+    for index, tensor in wanted:
+        edge = get_gradient_edge(tensor)
+        feeds = edges.edges.get((edge.node, edge.output_nr), [])
+        call._handles.append(tensor.register_hook(call.output_hook(index, feeds)))
+    if edges.start is not None and edges.edges:
+        end = _sequence_nr()
+        for node, targets in _input_edges(edges, [t.grad_fn for _, t in wanted], end).items():
+            call._handles.append(node.register_hook(call.node_hook(targets)))
+    call.expected = len(call._handles)
+    return call
+
+
+def _input_edges(edges: CallEdges, roots: list, end: int) -> dict:
+    """Nodes created by the call (sequence number in [start, end)) with edges to the inputs."""
+    found: dict = {}
+    seen = {id(r) for r in roots if r is not None}
+    stack = [r for r in roots if r is not None]
+    while stack and len(seen) < MAX_NODES:
+        node = stack.pop()
+        if not edges.start <= node._sequence_nr() < end:
+            continue  # older than the call: not part of it
+        for index, (child, output_nr) in enumerate(node.next_functions):
+            if child is None:
+                continue
+            slots = edges.edges.get((child, output_nr))
+            if slots is not None:
+                found.setdefault(node, []).append((index, slots))
+            elif id(child) not in seen:
+                seen.add(id(child))
+                stack.append(child)
+    return found

@@ -1,0 +1,122 @@
+"""Entries of a dump.json: skeletons built on the training thread, rendered on the writer thread.
+
+While a step runs, an entry is a skeleton: the nested lists/dicts of the call's arguments,
+with a `TensorSlot` where a tensor was (its dtype, shape, the row of its statistics in the
+step's packed statistics, its data_name). Non-tensor values are described at once, as the
+predecessor does (``{"type": "int", "value": 3}``; unknown objects as ``{}``). After the
+step's one transfer, `render` turns a skeleton into the JSON record, field for field as in
+the reference: ``type, dtype, shape, Max, Min, Mean, Norm, requires_grad[, md5][, data_name]``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import numpy as np
+
+from msprobe_engine.stats import finalize
+
+#: nesting depth of arguments that is described; deeper values are recorded as ``{}``
+MAX_DEPTH = 8
+#: a leaf function returns this when the value is not one of its types
+UNHANDLED = object()
+
+Leaf = Callable[[Any, str], Any]
+_PLAIN = (bool, int, float, str)
+
+
+class TensorSlot:
+    """One tensor of an entry. ``kind``: float, int, bool or none (no statistics: empty, meta...)."""
+    __slots__ = ("dtype", "shape", "requires_grad", "kind", "row", "data_name", "md5")
+
+    def __init__(self, dtype: str, shape: list[int], requires_grad: bool, kind: str, row: int,
+                 data_name: str | None = None) -> None:
+        self.dtype, self.shape, self.requires_grad = dtype, shape, requires_grad
+        self.kind, self.row, self.data_name = kind, row, data_name
+        self.md5: str | None = None
+
+
+def describe(value: Any, name: str, leaf: Leaf, depth: int = 0) -> Any:
+    """The skeleton of `value`; `leaf(value, name)` handles tensors and framework types
+    (or returns `UNHANDLED`). `name` is the value's data_name stem (``<entry>.input.0``)."""
+    kind = type(value)
+    if kind in _PLAIN:
+        return {"type": kind.__name__, "value": value}
+    if value is None:
+        return None
+    found = leaf(value, name)
+    if found is not UNHANDLED:
+        return found
+    if isinstance(value, (list, tuple)):
+        if depth >= MAX_DEPTH:
+            return {}
+        return [describe(v, f"{name}.{i}", leaf, depth + 1) for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        if depth >= MAX_DEPTH:
+            return {}
+        return {str(k): describe(v, f"{name}.{k}", leaf, depth + 1) for k, v in value.items()}
+    return plain_value(value)
+
+
+def plain_value(value: Any) -> dict[str, Any] | None:
+    """A non-tensor argument as the predecessor records it."""
+    if value is None:
+        return None
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, (bool, int, float, str)):
+        return {"type": type(value).__name__, "value": value}
+    if isinstance(value, slice):
+        parts = [v if isinstance(v, int) or v is None else None for v in (value.start, value.stop, value.step)]
+        return {"type": "slice", "value": parts}
+    if value is Ellipsis:
+        return {"type": "ellipsis", "value": "..."}
+    return {}
+
+
+class StatColumns:
+    """Max/Min/Mean/Norm per packed row, from the step's host rows (one finalize for all)."""
+
+    def __init__(self, host_rows: np.ndarray) -> None:
+        stats = finalize(host_rows) if len(host_rows) else {k: np.empty(0) for k in ("max", "min", "mean", "norm")}
+        self.max, self.min = stats["max"].tolist(), stats["min"].tolist()
+        self.mean, self.norm = stats["mean"].tolist(), stats["norm"].tolist()
+
+    def record(self, slot: TensorSlot) -> dict[str, Any]:
+        rec: dict[str, Any] = {"type": "torch.Tensor", "dtype": slot.dtype, "shape": slot.shape}
+        rec.update(self._values(slot))
+        rec["requires_grad"] = slot.requires_grad
+        if slot.md5 is not None:
+            rec["md5"] = slot.md5
+        if slot.data_name is not None:
+            rec["data_name"] = slot.data_name
+        return rec
+
+    def _values(self, slot: TensorSlot) -> dict[str, Any]:
+        row = slot.row
+        if row < 0 or slot.kind == "none":
+            return {"Max": None, "Min": None, "Mean": None, "Norm": None}
+        high, low = self.max[row], self.min[row]
+        if slot.kind == "bool":  # the predecessor: Max = any, Min = all, no Mean/Norm
+            return {"Max": high > 0, "Min": low > 0, "Mean": None, "Norm": None}
+        if slot.kind == "int" and math.isfinite(high) and math.isfinite(low):
+            high, low = int(high), int(low)
+        return {"Max": high, "Min": low, "Mean": self.mean[row], "Norm": self.norm[row]}
+
+
+def render(skeleton: Any, columns: StatColumns) -> Any:
+    """The JSON value of a skeleton."""
+    if isinstance(skeleton, TensorSlot):
+        return columns.record(skeleton)
+    if isinstance(skeleton, list):
+        return [render(item, columns) for item in skeleton]
+    if isinstance(skeleton, dict):
+        return {k: render(v, columns) for k, v in skeleton.items()}
+    return skeleton
+
+
+def render_entries(entries: dict[str, Any], host_rows: np.ndarray) -> dict[str, Any]:
+    """Render every entry of a step (``data`` of dump.json), keeping their order."""
+    columns = StatColumns(host_rows)
+    return {name: render(skeleton, columns) for name, skeleton in entries.items()}
+

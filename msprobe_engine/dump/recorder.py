@@ -1,0 +1,401 @@
+"""The training-thread side of the dump: names calls, builds entry skeletons, collects gradients.
+
+Module hooks (L0, mix) and the API mode (L1, mix) call into one `Recorder`. Per step it keeps
+the entries in execution order (a forward entry when its call returns, a backward entry when
+its gradients have arrived), the module nesting (construct.json), call stacks on request,
+and the tensors' statistics rows in a `StatBuffer`. `finish_step()` makes the step's one
+host transfer and hands everything over; the JSON is built on the writer thread.
+
+Names follow the predecessor: ``Module.<path>.<Class>.forward.<n>`` / ``.backward.<n>`` /
+``.parameters_grad``, ``<Prefix>.<api>.<n>.forward`` / ``.backward``; counters restart every
+step and count every call made while collecting, dumped or not, so names are stable under
+``list`` and ``scope``. Calls during a backward pass (checkpoint recomputation) are skipped.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from msprobe_engine.collect.flatten import iter_tensors
+from msprobe_engine.collect.torch_api import ApiCatalog, writes_unknown, written_tensors
+from msprobe_engine.collect.torch_backward import GradCall, after_call, before_call, in_backward
+from msprobe_engine.dump.config import DumpConfig
+from msprobe_engine.dump.entry import UNHANDLED, TensorSlot, describe
+from msprobe_engine.dump.select import Selection, Want
+from msprobe_engine.dump.stat_buffer import StatBuffer
+
+log = logging.getLogger("msprobe_engine")
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: tensor copies (tensor task, md5) are handed to the writer in batches of about this size
+TENSOR_BATCH_BYTES = 16 << 20
+TENSOR_BATCH_COUNT = 64
+
+TensorItems = list[tuple[TensorSlot, torch.Tensor]]
+
+
+@dataclass
+class StepData:
+    """Everything one step leaves for the writer thread."""
+    entries: dict[str, Any]
+    construct: dict[str, str | None]
+    stacks: dict[str, list[tuple[str, int, str]]] | None
+    host_rows: np.ndarray
+
+
+class _Call:
+    """One module or API call being recorded."""
+    __slots__ = ("module", "key", "forward", "backward", "want", "keep", "parent", "inputs", "edges", "frames")
+
+    def __init__(self, module: Any, key: str, forward: str, backward: str, want: Want, keep: bool,
+                 parent: str | None) -> None:
+        self.module, self.key, self.forward, self.backward = module, key, forward, backward
+        self.want, self.keep, self.parent = want, keep, parent
+        self.inputs: tuple[Any, Any] | None = None
+        self.edges = None
+        self.frames: list[tuple[str, int, str]] | None = None
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for _, t in iter_tensors(value, "", _is_tensor, depth=8)]
+
+
+def _as_list(output: Any) -> list[Any]:
+    return list(output) if isinstance(output, tuple) else [output]
+
+
+def _backward_name(forward: str | None) -> str | None:
+    if forward is None:
+        return None
+    head, _, tail = forward.rpartition(".forward")
+    return f"{head}.backward{tail}"
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype)
+    return name
+
+
+def _kind(tensor: torch.Tensor) -> str:
+    if tensor.numel() == 0 or tensor.layout != torch.strided or tensor.is_meta or tensor.is_quantized:
+        return "none"
+    if tensor.dtype == torch.bool:
+        return "bool"
+    return "float" if tensor.is_floating_point() or tensor.is_complex() else "int"
+
+
+def _frames() -> list[tuple[str, int, str]]:
+    """The caller's stack, innermost first, without this package's frames."""
+    frames, frame = [], sys._getframe(1)
+    while frame is not None:
+        file = frame.f_code.co_filename
+        if not file.startswith(_PACKAGE_DIR):
+            frames.append((file, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    return frames
+
+
+class _Guard:
+    """The context of `Recorder._hook` (a class: hooks run thousands of times per step)."""
+    __slots__ = ("recorder", "where", "name", "disabled")
+
+    def __init__(self, recorder: "Recorder", where: str, name: str) -> None:
+        self.recorder, self.where, self.name = recorder, where, name
+        self.disabled = torch._C.DisableTorchFunction()
+
+    def __enter__(self) -> None:
+        self.recorder._lock.acquire()
+        self.disabled.__enter__()
+
+    def __exit__(self, kind, exc, traceback) -> bool:
+        self.disabled.__exit__(kind, exc, traceback)
+        self.recorder._lock.release()
+        return isinstance(exc, Exception) and self.recorder._failed(self.where, self.name, exc)
+
+
+class Recorder:
+    """Collects one step at a time; `active` is switched by the session (start/stop)."""
+
+    def __init__(self, config: DumpConfig, backend: Any, catalog: ApiCatalog,
+                 emit_tensors: Callable[[TensorItems], None]) -> None:
+        self.config = config
+        self.sel = Selection(config)
+        self.stats = StatBuffer(backend)
+        self.catalog = catalog
+        self.emit_tensors = emit_tensors
+        self.save_tensors = config.task == "tensor"
+        self.copies = self.save_tensors or config.summary_mode == "md5"
+        self.active = False
+        self.hook_errors: dict[str, int] = {}
+        self._lock = threading.RLock()
+        self._step_id = 0
+        self._reset()
+
+    # ---- per step ----------------------------------------------------------------------
+    def _reset(self) -> None:
+        self.entries: dict[str, Any] = {}
+        self.construct: dict[str, str | None] = {}
+        self.stacks: dict[str, list] | None = {} if self.config.stack else None
+        self._counters: dict[str, int] = {}
+        self._modules: list[_Call] = []
+        self._ran: dict[str, Want | None] = {}  # modules run this step -> the expanded module around
+        self._grad_calls: list[GradCall] = []
+        self._items: TensorItems = []
+        self._item_bytes = 0
+        self._flush_task: int | None = None
+        self.sel.new_step()
+        self.stats.reset()
+
+    def finish_step(self) -> StepData:
+        """Close the step: pending gradients, the one host transfer; a fresh step follows
+        (also when this raises)."""
+        try:
+            with self._hook("step end"):
+                for call in list(self._grad_calls):
+                    call.finish()
+            with torch._C.DisableTorchFunction():
+                host = self.stats.to_host()
+            self._emit()
+            return StepData(self.entries, self.construct, self.stacks, host)
+        finally:
+            self._step_id += 1
+            self._reset()
+
+    @property
+    def transfers(self) -> int:
+        return self.stats.transfers
+
+    # ---- errors ------------------------------------------------------------------------
+    def _hook(self, where: str, name: str = "") -> "_Guard":
+        """Guard a hook body: serialised, its torch calls unseen by torch-function modes (ours
+        included); an error is logged once per `where` and skipped (strict: raised)."""
+        return _Guard(self, where, name)
+
+    def _failed(self, where: str, name: str, exc: Exception) -> bool:
+        """Record a hook error; True when it is swallowed (not strict)."""
+        if self.config.strict:
+            return False
+        count = self.hook_errors.get(where, 0)
+        self.hook_errors[where] = count + 1
+        if count == 0:
+            log.error("msprobe dump: error in %s %s: %s: %s; it is reported once and skipped",
+                      where, name, type(exc).__name__, exc)
+        return True
+
+    # ---- tensors -----------------------------------------------------------------------
+    def _leaf(self, value: Any, name: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            return self._slot(value, name)
+        if isinstance(value, torch.Size):
+            return {"type": "torch.Size", "value": list(value)}
+        if isinstance(value, (torch.dtype, torch.device)):
+            return {"type": f"torch.{type(value).__name__}", "value": str(value)}
+        if type(value).__name__ in ("ReduceOp", "RedOpType"):
+            return {"type": "torch.distributed.ReduceOp", "value": str(value)}
+        return UNHANDLED
+
+    def _slot(self, tensor: torch.Tensor, name: str) -> TensorSlot:
+        kind = _kind(tensor)
+        row = -1
+        if kind != "none":
+            row = self.stats.row(tensor.abs() if tensor.is_complex() else tensor)
+        copied = self.copies and not tensor.is_meta
+        slot = TensorSlot(_dtype_name(tensor.dtype), list(tensor.shape), tensor.requires_grad, kind, row,
+                          f"{name}.pt" if copied and self.save_tensors else None)
+        if copied:
+            copy = self.stats.copy(tensor)
+            self._items.append((slot, copy))
+            self._item_bytes += copy.numel() * copy.element_size()
+        return slot
+
+    def _describe(self, value: Any, name: str) -> Any:
+        return describe(value, name, self._leaf)
+
+    def _grad_slots(self, grads: list, name: str) -> list:
+        return [None if g is None else self._slot(g, f"{name}.{i}") for i, g in enumerate(grads)]
+
+    def _emit(self) -> None:
+        if self._items:
+            items, self._items, self._item_bytes = self._items, [], 0
+            self.emit_tensors(items)
+
+    def _add_entry(self, name: str, entry: dict, parent: str | None, frames: list | None) -> None:
+        self.entries[name] = entry
+        if self.sel.modules:
+            self.construct[name] = parent
+        if frames is not None and self.stacks is not None:
+            self.stacks[name] = frames
+        if self._item_bytes >= TENSOR_BATCH_BYTES or len(self._items) >= TENSOR_BATCH_COUNT:
+            self._emit()
+
+    def _count(self, key: str) -> int:
+        n = self._counters.get(key, 0)
+        self._counters[key] = n + 1
+        return n
+
+    def _outer(self) -> Want | None:
+        """The decision of the innermost expanded module call running now, if any."""
+        return next((c.want for c in reversed(self._modules) if c.want.expand), None)
+
+    def _begin(self, module: Any, key: str, forward: str, backward: str) -> _Call:
+        want = self.sel.want(key, forward, backward, self._outer())
+        in_scope = self.sel.begin(forward)
+        parent = self._modules[-1].forward if self._modules else None
+        call = _Call(module, key, forward, backward, want, want.forward and in_scope, parent)
+        if call.keep and self.config.stack:
+            call.frames = _frames()
+        return call
+
+    # ---- modules (L0, mix) -------------------------------------------------------------
+    def module_begin(self, key: str, module: Any, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook of a module named `key` (``Module.<path>.<Class>``)."""
+        if not self.active or in_backward():
+            return
+        with self._hook("forward pre-hook of", key):
+            n = self._count(key)
+            call = self._begin(module, key, f"{key}.forward.{n}", f"{key}.backward.{n}")
+            self._ran[key] = self._outer()
+            if call.keep and self.sel.inputs:
+                call.inputs = (self._describe(list(args), f"{call.forward}.input"),
+                               self._describe(kwargs, f"{call.forward}.input"))
+            if call.want.backward:
+                call.edges = before_call(_tensors(args))
+            self._modules.append(call)
+
+    def module_end(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        """Forward hook of a module (also called when its forward raised: output None)."""
+        if not self._modules or self._modules[-1].module is not module:
+            return
+        with self._hook("forward hook"):
+            call = self._modules.pop()
+            self.sel.end(call.forward)
+            if call.keep:
+                entry: dict[str, Any] = {}
+                if call.inputs is not None:
+                    entry["input_args"], entry["input_kwargs"] = call.inputs
+                if self.sel.outputs:
+                    entry["output"] = self._describe(_as_list(output), f"{call.forward}.output")
+                params = dict(module.named_parameters(recurse=False)) if self.sel.inputs else {}
+                if params:
+                    entry["parameters"] = {k: self._slot(p, f"{call.forward}.parameters.{k}")
+                                           for k, p in params.items()}
+                self._add_entry(call.forward, entry, call.parent, call.frames)
+            if call.edges is not None:
+                self._watch_backward(call, _tensors(output))
+
+    def param_grad(self, key: str, name: str, grad: torch.Tensor) -> None:
+        """Gradient hook of parameter `name` of module `key`."""
+        if key not in self._ran:
+            return  # the module did not run while collecting in this step
+        with self._hook("gradient hook of", key):
+            entry_name = f"{key}.parameters_grad"
+            want = self.sel.want(key, entry_name, entry_name, self._ran[key])
+            if want.backward and self.sel.outputs and self.sel.begin(entry_name):
+                grads = self.entries.setdefault(entry_name, {}).setdefault(name, [])
+                suffix = f".{len(grads)}" if grads else ""
+                grads.append(self._slot(grad, f"{entry_name}.{name}{suffix}"))
+            self._flush_after_backward()
+
+    # ---- APIs (L1, mix) ----------------------------------------------------------------
+    def api_call(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        """The API mode's handler: record the call if it is dumped, run it, return its result.
+
+        Before a call that writes into its arguments, waiting tensors that share their storage
+        are protected (`StatBuffer.protect`); the call's own inputs are recorded first."""
+        info = self.catalog.get(func)
+        writes = info.writes(args, kwargs) if info is not None else writes_unknown(func, kwargs)
+        if info is None or not info.dump or not self.sel.apis or not self.active or in_backward():
+            # in-place ops bump the version (the cache sees it); collectives do not
+            if writes and (self.stats.pending or (info is not None and info.prefix == "Distributed")):
+                with self._hook("in-place check of", getattr(func, "__name__", "")):
+                    self.stats.protect(written_tensors(info, args, kwargs))
+            return func(*args, **kwargs)
+        call = None
+        with self._hook("API", info.key):
+            n = self._count(info.key)
+            call = self._begin(None, info.key, f"{info.key}.{n}.forward", f"{info.key}.{n}.backward")
+            if call.keep and self.sel.inputs:
+                call.inputs = (self._describe(list(args), f"{call.forward}.input"),
+                               self._describe(info.user_kwargs(kwargs), f"{call.forward}.input"))
+            if writes:
+                self.stats.protect(written_tensors(info, args, kwargs))
+            if call.want.backward and info.prefix != "Distributed":
+                call.edges = before_call(_tensors(args))
+        output = func(*args, **kwargs)
+        if call is not None:
+            with self._hook("API", info.key):
+                self._api_done(call, output)
+        return output
+
+    def _api_done(self, call: _Call, output: Any) -> None:
+        self.sel.end(call.forward)
+        if call.keep:
+            entry: dict[str, Any] = {}
+            if call.inputs is not None:
+                entry["input_args"], entry["input_kwargs"] = call.inputs
+            if self.sel.outputs:
+                entry["output"] = self._describe(_as_list(output), f"{call.forward}.output")
+            self._add_entry(call.forward, entry, call.parent, call.frames)
+        if call.edges is not None:
+            self._watch_backward(call, _tensors(output))
+
+    # ---- backward ----------------------------------------------------------------------
+    def _watch_backward(self, call: _Call, outputs: list[torch.Tensor]) -> None:
+        grad_call = after_call(call.edges, outputs, (self._step_id, call), self._backward_done)
+        call.edges = None  # the input nodes are not needed any more
+        if grad_call is not None:
+            self._grad_calls.append(grad_call)
+
+    def _backward_done(self, grad_call: GradCall) -> None:
+        step_id, call = grad_call.tag
+        if step_id != self._step_id:
+            return  # a graph kept from an earlier step
+        with self._hook("backward of", call.key):
+            self._grad_calls.remove(grad_call)
+            arrived = any(g is not None for g in grad_call.output_grads + grad_call.input_grads)
+            in_scope = self.sel.begin(call.backward)
+            self.sel.end(call.backward)
+            if arrived and call.want.backward and in_scope:
+                entry: dict[str, Any] = {}
+                if self.sel.inputs:
+                    entry["input"] = self._grad_slots(grad_call.output_grads, f"{call.backward}.input")
+                if self.sel.outputs:
+                    entry["output"] = self._grad_slots(grad_call.input_grads, f"{call.backward}.output")
+                self._add_entry(call.backward, entry, _backward_name(call.parent), None)
+            self._flush_after_backward()
+
+    def _flush_after_backward(self) -> None:
+        """Reduce the backward pass's tensors in one batch when the pass ends."""
+        task = torch._C._current_graph_task_id()
+        if task != -1 and task != self._flush_task:
+            self._flush_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+
+    def _backward_end(self) -> None:
+        with self._hook("end of backward"):
+            self._flush_task = None
+            self.stats.flush()
+
+
+def tensor_crc32(tensor: torch.Tensor) -> str:
+    """The predecessor's "md5" value: CRC-32 of the tensor's bytes (bfloat16 as float32), 8 hex digits."""
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.float()
+    return f"{zlib.crc32(np.ascontiguousarray(tensor.numpy())):08x}"

@@ -1,0 +1,259 @@
+"""`PrecisionDebugger`: the predecessor's dump session, on this engine.
+
+::
+
+    debugger = PrecisionDebugger("config.json")          # or a dict, or keyword overrides
+    for batch in data:
+        debugger.start(model)                             # hooks go on at the first call
+        loss = train_step(model, batch)                   # forward, backward, optimizer step
+        debugger.stop()
+        debugger.step()                                   # closes the step: dump.json is written
+    debugger.close()                                      # waits for the writer, removes the hooks
+
+or ``with PrecisionDebugger(cfg) as debugger:`` and ``with debugger.step_scope(model): ...``
+per step. Steps and ranks outside the config's lists cost a flag check. Statistics stay on
+the device until `step()`, which makes one host transfer; files are written by the engine's
+background writer thread (`sinks.BackgroundWriter`) and committed atomically per step.
+torch is imported at the first `start()`.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from functools import partial
+from pathlib import Path
+from typing import Any, Iterator
+
+from msprobe_engine.config.errors import ConfigError
+from msprobe_engine.dump.config import DumpConfig, DumpConfigSource, load_dump_config
+from msprobe_engine.dump.schema import parse_entry_name
+from msprobe_engine.dump.writer import StepFiles
+from msprobe_engine.sinks.writer import BackgroundWriter
+
+log = logging.getLogger("msprobe_engine")
+
+
+class PrecisionDebugger:
+    """A dump session; see the module docstring. `current_step` counts `step()` calls."""
+
+    def __init__(self, config: DumpConfigSource = None, *, config_path: str | Path | None = None,
+                 model: Any = None, **overrides: Any) -> None:
+        """`config` (or the predecessor's keyword `config_path`): a config file, dict or DumpConfig;
+        keyword overrides use the config's keys (``level="L0"``, ``step=[1]``)."""
+        self.config: DumpConfig = load_dump_config(config if config is not None else config_path, **overrides)
+        self.current_step = 0
+        self.steps_written = 0
+        self.dropped_steps = 0
+        self.rank: int | None = None
+        self._model = model
+        self.writer = BackgroundWriter(self.config.queue_size, self.config.when_full, strict=self.config.strict)
+        self._recorder: Any = None
+        self._mode: Any = None
+        self._hooks: list = []
+        self._hooked: set[int] = set()
+        self._running = False
+        self._collected = False
+        self._files: StepFiles | None = None
+        self._incomplete = False
+        self._discarded: list[StepFiles] = []
+
+    # ---- the predecessor's calls ---------------------------------------------------------
+    def start(self, model: Any = None) -> None:
+        """Start (or resume) collecting; the first call validates against the run and installs hooks."""
+        model = model if model is not None else self._model
+        if self._recorder is None:
+            self._setup(model)
+        elif model is not None and id(model) not in self._hooked:
+            self._hook_model(model)
+        self._running = True
+        self._activate()
+
+    def stop(self) -> None:
+        """Stop collecting (what this step collected is written at `step()`)."""
+        self._running = False
+        self._deactivate()
+
+    def step(self) -> None:
+        """Close the step: its dump is handed to the writer; counters restart."""
+        running = self._running
+        self._deactivate()
+        if self._recorder is not None:
+            self._commit()
+        self.current_step += 1
+        self._running = running
+        self._activate()
+
+    def close(self) -> None:
+        """Write a step still open, wait for the writer and remove every hook."""
+        self.stop()
+        if self._collected:
+            self._commit()
+        for hooks in self._hooks:
+            hooks.remove()
+        self._hooks.clear()
+        self.writer.close()
+        for files in self._discarded:  # tensor files of dropped steps (hidden .partial directories)
+            files.discard()
+        if self.dropped_steps or self.writer.dropped:
+            log.warning("msprobe dump: %d step(s) dropped (writer queue full, policy '%s')",
+                        self.dropped_steps, self.config.when_full)
+
+    def flush(self) -> None:
+        """Wait until everything handed to the writer is on disk."""
+        self.writer.flush()
+
+    @contextlib.contextmanager
+    def step_scope(self, model: Any = None) -> Iterator["PrecisionDebugger"]:
+        """``start(model)`` ... ``stop(); step()`` around one training step."""
+        self.start(model)
+        try:
+            yield self
+        finally:
+            self.stop()
+            self.step()
+
+    def __enter__(self) -> "PrecisionDebugger":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def transfers(self) -> int:
+        """Device-to-host copies of statistics so far (one per dumped step)."""
+        return self._recorder.transfers if self._recorder is not None else 0
+
+    @property
+    def hook_errors(self) -> dict[str, int]:
+        """Errors inside the dump's hooks so far, by hook (logged once each; strict mode raises)."""
+        return self._recorder.hook_errors if self._recorder is not None else {}
+
+    # ---- set-up ------------------------------------------------------------------------
+    def _setup(self, model: Any) -> None:
+        from msprobe_engine.backends import torch_backend
+        from msprobe_engine.collect.torch_api import ApiCatalog, ApiMode
+        from msprobe_engine.dump.recorder import Recorder
+
+        if self.config.level in ("L0", "mix") and model is None:
+            raise ConfigError(f"level {self.config.level} dumps modules: pass the model, start(model)")
+        self.rank, world = _rank_and_world()
+        self.config.check_ranks(world)
+        catalog = ApiCatalog()
+        modules = _module_keys(model) if model is not None else {}
+        _check_names(self.config, modules, catalog)
+        self._recorder = Recorder(self.config, torch_backend, catalog, self._emit_tensors)
+        self._mode = ApiMode(self._recorder.api_call)
+        if model is not None:
+            self._hook_model(model)
+
+    def _hook_model(self, model: Any) -> None:
+        if self.config.level in ("L0", "mix"):
+            from msprobe_engine.collect.torch_dump_modules import DumpModuleHooks
+            self._hooks.append(DumpModuleHooks(self._recorder, model))
+        self._hooked.add(id(model))
+
+    def _activate(self) -> None:
+        wanted = self.config.wants_step(self.current_step) and self.config.wants_rank(self.rank or 0)
+        if not (self._running and wanted and self._recorder is not None) or self._recorder.active:
+            return
+        from msprobe_engine.collect.torch_api import push_mode
+
+        self._recorder.active = self._collected = True
+        push_mode(self._mode)  # also in L0: it measures waiting tensors before in-place calls
+
+    def _deactivate(self) -> None:
+        if self._recorder is None or not self._recorder.active:
+            return
+        from msprobe_engine.collect.torch_api import remove_mode
+
+        self._recorder.active = False
+        remove_mode(self._mode)
+
+    # ---- writing -----------------------------------------------------------------------
+    def _step_files(self) -> StepFiles:
+        if self._files is None:
+            self._files = StepFiles(self.config.dump_path, self.current_step, self.rank)
+        return self._files
+
+    def _emit_tensors(self, items: list) -> None:
+        """Called by the recorder with tensor copies to save and/or checksum on the writer thread."""
+        if self._incomplete:
+            return
+        from msprobe_engine.dump.recorder import tensor_crc32
+
+        save = _torch_save if self.config.task == "tensor" else None
+        checksum = tensor_crc32 if self.config.summary_mode == "md5" else None
+        job = partial(self._step_files().write_tensors, items, save, checksum)
+        if not self.writer.submit(job, "dump tensors"):
+            self._incomplete = True
+
+    def _commit(self) -> None:
+        try:
+            data = self._recorder.finish_step()
+        except Exception:
+            if self.config.strict:
+                raise
+            log.exception("msprobe dump: step %d could not be closed", self.current_step)
+            data = None
+        if self._collected:
+            files = self._step_files()
+            if data is None or self._incomplete:
+                self._drop(files, "its tensors did not fit in the writer queue" if data else "an error")
+            else:
+                meta = {"task": self.config.task, "level": self.config.level, "framework": "pytorch",
+                        "dump_data_dir": None}
+                if not self.writer.submit(partial(self._write_step, files, meta, data), "dump step"):
+                    self._drop(files, "the writer queue was full")
+        self._files, self._incomplete, self._collected = None, False, False
+
+    def _drop(self, files: StepFiles, reason: str) -> None:
+        self._discarded.append(files)
+        self.dropped_steps += 1
+        if self.dropped_steps == 1:
+            log.warning("msprobe dump: step %d dropped: %s (further drops are counted)", self.current_step, reason)
+
+    def _write_step(self, files: StepFiles, meta: dict, data: Any) -> None:
+        files.commit(meta, data.entries, data.host_rows, data.construct, data.stacks)
+        self.steps_written += 1
+
+
+def _torch_save(tensor: Any, path: Path) -> None:
+    import torch
+    torch.save(tensor, path)
+
+
+def _rank_and_world() -> tuple[int | None, int]:
+    """(rank, world size): from torch.distributed, else from torchrun's environment, else (None, 1)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return (int(os.environ.get("RANK", "0")), world) if world > 1 else (None, 1)
+
+
+def _module_keys(model: Any) -> dict[str, Any]:
+    from msprobe_engine.collect.torch_dump_modules import module_keys
+    return module_keys(model)
+
+
+def _check_names(config: DumpConfig, modules: dict[str, Any], catalog: Any) -> None:
+    """Full names in scope/list must name a module of the model or an API this dump records."""
+    named = [(f"scope[{i}]", n) for i, n in enumerate(config.scope or ())]
+    named += [(f"list[{i}]", n) for i, n in enumerate(config.api_list) if parse_entry_name(n) is not None]
+    for where, name in named:
+        entry = parse_entry_name(name)
+        key = f"{entry.prefix}.{entry.target}"
+        if entry.is_module:
+            if config.level == "L1":
+                raise ConfigError(f"{where}: {name!r} names a module but level is L1 (APIs only)")
+            if key not in modules:
+                near = [k for k in modules if k.endswith(f".{entry.target.rsplit('.', 1)[-1]}")][:3]
+                hint = f"; modules of that class: {', '.join(near)}" if near else ""
+                raise ConfigError(f"{where}: {name!r}: the model has no module {key}{hint}")
+        elif config.level == "L0":
+            raise ConfigError(f"{where}: {name!r} names an API but level is L0 (modules only)")
+        elif not catalog.has_key(key):
+            raise ConfigError(f"{where}: {name!r}: {key} is not an API this dump records "
+                              f"(Torch., Tensor., Functional. or Distributed. followed by its name)")

@@ -1,0 +1,102 @@
+"""Files of one dumped (step, rank), written on the writer thread and committed atomically.
+
+Everything of ``step{N}/rank{R}/`` (tensor files, dump.json, stack.json, construct.json) is
+first written into the hidden directory ``step{N}/.rank{R}.partial/`` and then renamed into
+place: a crash at any moment leaves either a complete rank directory or none (the reader
+ignores ``.partial`` directories). A single-process run uses ``rank/`` as the predecessor does.
+"""
+from __future__ import annotations
+
+import json
+import linecache
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from msprobe_engine.dump.entry import TensorSlot, render_entries
+from msprobe_engine.dump.reader import CONSTRUCT_JSON, DUMP_JSON, STACK_JSON, TENSOR_DIR
+
+#: a raw call stack: (file, line, function) per frame, innermost last
+Frames = Sequence[tuple[str, int, str]]
+
+
+def rank_dir_name(rank: int | None) -> str:
+    """``rank3`` in a distributed run, ``rank`` in a single process (the predecessor's layout)."""
+    return "rank" if rank is None else f"rank{rank}"
+
+
+def dump_json_text(meta: dict[str, Any], data: dict[str, Any]) -> str:
+    """dump.json text: the top-level keys, then one line per entry (NaN/Infinity as in the reference)."""
+    head = "".join(f" {json.dumps(key)}: {json.dumps(value)},\n" for key, value in meta.items())
+    body = ",\n".join(f"  {json.dumps(name)}: {json.dumps(entry)}" for name, entry in data.items())
+    return "{\n" + head + ' "data": {\n' + body + ("\n" if body else "") + " }\n}\n"
+
+
+def format_stack(frames: Frames) -> list[str]:
+    """Frames as the predecessor writes them: ``File <path>, line <n>, in <func>, \\n <code>``."""
+    return [f"File {file}, line {line}, in {func}, \n {linecache.getline(file, line).strip()}"
+            for file, line, func in frames]
+
+
+def write_file(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class StepFiles:
+    """The directory of one (step, rank). Every method runs on the writer thread."""
+
+    def __init__(self, dump_path: Path, step: int, rank: int | None) -> None:
+        step_dir = Path(dump_path) / f"step{step}"
+        name = rank_dir_name(rank)
+        self.final = step_dir / name
+        self.partial = step_dir / f".{name}.partial"
+        self._ready = False
+
+    @property
+    def tensor_dir(self) -> Path:
+        return self.partial / TENSOR_DIR
+
+    def _prepare(self) -> None:
+        if not self._ready:
+            shutil.rmtree(self.partial, ignore_errors=True)  # left by a crashed run
+            self.partial.mkdir(parents=True)
+            self._ready = True
+
+    def write_tensors(self, items: Sequence[tuple[TensorSlot, Any]], save: Callable[[Any, Path], None] | None,
+                      checksum: Callable[[Any], str] | None) -> None:
+        """Save tensor copies under their data_name and/or set their slots' CRC-32."""
+        self._prepare()
+        if save is not None:
+            self.tensor_dir.mkdir(exist_ok=True)
+        for slot, tensor in items:
+            if save is not None and slot.data_name is not None:
+                save(tensor, self.tensor_dir / slot.data_name)
+            if checksum is not None:
+                slot.md5 = checksum(tensor)
+
+    def commit(self, meta: dict[str, Any], entries: dict[str, Any], host_rows: np.ndarray,
+               construct: dict[str, str | None] | None, stacks: dict[str, Frames] | None) -> Path:
+        """Write the JSON files and move the directory into place; returns the rank directory."""
+        self._prepare()
+        if meta.get("task") == "tensor":
+            meta = {**meta, "dump_data_dir": str((self.final / TENSOR_DIR).resolve())}
+        write_file(self.partial / DUMP_JSON, dump_json_text(meta, render_entries(entries, host_rows)))
+        if stacks is not None:
+            stack_doc = {name: format_stack(frames) for name, frames in stacks.items()}
+            write_file(self.partial / STACK_JSON, json.dumps(stack_doc, indent=1))
+        if construct is not None:
+            write_file(self.partial / CONSTRUCT_JSON, json.dumps(construct, indent=1))
+        if self.final.exists():
+            shutil.rmtree(self.final)  # the same step of an earlier run into the same dump_path
+        os.replace(self.partial, self.final)
+        return self.final
+
+    def discard(self) -> None:
+        """Remove the files of a dropped step (after the writer has stopped)."""
+        shutil.rmtree(self.partial, ignore_errors=True)

@@ -1,0 +1,170 @@
+"""What the dump captures, and that it changes nothing: functions, numbers, in-place code."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import checkpoint
+
+from dump_helpers import tiny_gpt_dump, train_tiny_gpt
+from msprobe_engine.collect.torch_api import push_mode, remove_mode
+from msprobe_engine.dump import PrecisionDebugger, load_dump
+
+
+def _data(root, step=0) -> dict:
+    return load_dump(root)[(step, None)].data
+
+
+def _run(tmp_path, fn, model=None, **config) -> dict:
+    with PrecisionDebugger({"dump_path": str(tmp_path), "strict": True, **config}) as debugger:
+        with debugger.step_scope(model):
+            fn()
+    return _data(tmp_path)
+
+
+def test_imported_names_are_captured_and_no_function_is_replaced(tmp_path):
+    from torch import relu
+    originals = (F.gelu, torch.relu, torch.Tensor.add, torch.matmul, torch.distributed.all_reduce)
+    seen = []
+
+    def run():
+        x = torch.randn(3, 3)
+        seen.append((F.gelu, torch.relu, torch.Tensor.add, torch.matmul, torch.distributed.all_reduce))
+        relu(x)
+        x.add(1)
+        torch.matmul(x, x)
+        assert F.gelu is originals[0]  # what Megatron's "activation_func must be F.gelu" checks
+
+    data = _run(tmp_path, run, level="L1")
+    assert seen == [originals] and (F.gelu, torch.relu) == originals[:2]
+    assert {"Torch.relu.0.forward", "Tensor.add.0.forward", "Torch.matmul.0.forward"} <= set(data)
+
+
+@pytest.mark.parametrize("level", ["L0", "L1", "mix"])
+def test_training_numbers_are_bitwise_unchanged(tmp_path, level):
+    plain = train_tiny_gpt(3)
+    debugger = PrecisionDebugger({"dump_path": str(tmp_path), "level": level, "strict": True})
+    dumped = train_tiny_gpt(3, debugger)
+    debugger.close()
+    assert dumped == plain
+    assert debugger.transfers == 3  # one device-to-host copy of statistics per dumped step
+    assert sorted(load_dump(tmp_path)) == [(0, None), (1, None), (2, None)]
+
+
+class InPlace(nn.Module):
+    """Code that register_full_backward_hook breaks: in-place ops on module outputs and inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        h += 1.0
+        return self.act(h) * 2
+
+
+def test_in_place_code_keeps_working_and_gradients_are_exact(tmp_path):
+    torch.manual_seed(0)
+    model, x = InPlace(), torch.randn(3, 4, requires_grad=True)
+    data = _run(tmp_path, lambda: model(x).sum().backward(), model, level="mix", task="tensor")
+    rank = load_dump(tmp_path)[(0, None)]
+    fc_out = data["Module.fc.Linear.forward.0"]["output"][0]
+    relu_in = data["Module.act.ReLU.forward.0"]["input_args"][0]
+    h = model.fc(x).detach()
+    assert fc_out["Min"] == h.min().item()  # measured before `h += 1` changed it
+    assert relu_in["Min"] == (h + 1).min().item()  # measured before the in-place ReLU
+    assert data["Tensor.add_.0.forward"]["input_args"][0]["Max"] == h.max().item()
+
+    def grad(entry, role, i=0):
+        name = data[entry][role][i]["data_name"]
+        return torch.load(rank.path / "dump_tensor_data" / name, weights_only=True)
+
+    relu_mask = (h + 1 > 0).float()
+    assert torch.equal(grad("Module.fc.Linear.backward.0", "input"), 2 * relu_mask)
+    assert torch.allclose(grad("Module.fc.Linear.backward.0", "output"), (2 * relu_mask) @ model.fc.weight)
+    assert torch.allclose(grad("Module.fc.Linear.backward.0", "output"), x.grad)
+    assert torch.equal(grad("Module.fc.Linear.parameters_grad", "weight"), model.fc.weight.grad)
+    assert torch.equal(grad("Functional.linear.0.backward", "output", 1), model.fc.weight.grad)
+
+
+def test_checkpoint_recomputation_is_not_recorded_twice(tmp_path):
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    outer = nn.ModuleDict({"block": block})
+    x = torch.randn(2, 4, requires_grad=True)
+    data = _run(tmp_path, lambda: checkpoint(block, x, use_reentrant=False).sum().backward(), outer, level="mix")
+    assert [n for n in data if n.startswith("Module.block.0")] == [
+        "Module.block.0.Linear.forward.0", "Module.block.0.Linear.backward.0", "Module.block.0.Linear.parameters_grad"]
+    assert "Functional.linear.1.forward" not in data and "Functional.linear.0.backward" in data
+
+
+def test_steps_ranks_counters_and_list(tmp_path):
+    root = tiny_gpt_dump(tmp_path / "a", steps=3, level="L1", step=[1, 2], list=["layer_norm", "Tensor.add.1.forward"])
+    dumps = load_dump(root)
+    assert sorted(dumps) == [(1, None), (2, None)]
+    names = list(dumps[(2, None)].data)
+    assert names[:3] == ["Functional.layer_norm.0.forward", "Tensor.add.1.forward", "Functional.layer_norm.1.forward"]
+    assert {n.split(".")[1] for n in names} == {"layer_norm", "add"}
+    assert "Tensor.add.1.backward" not in names and "Functional.layer_norm.0.backward" in names
+
+
+def test_scope_bounds_a_range_in_execution_order(tmp_path):
+    root = tiny_gpt_dump(tmp_path, steps=1, level="mix",
+                         scope=["Module.layers.0.ln2.LayerNorm.forward.0", "Functional.linear.1.forward"])
+    names = list(_data(root))
+    # entries that begin inside the range are kept (mlp.2 and mlp began before linear.1 ended it)
+    assert names == ["Functional.layer_norm.1.forward", "Module.layers.0.ln2.LayerNorm.forward.0",
+                     "Functional.linear.0.forward", "Module.layers.0.mlp.0.Linear.forward.0",
+                     "Functional.gelu.0.forward", "Module.layers.0.mlp.1.GELU.forward.0", "Functional.linear.1.forward",
+                     "Module.layers.0.mlp.2.Linear.forward.0", "Module.layers.0.mlp.Sequential.forward.0"]
+
+
+def test_mix_list_expands_a_module(tmp_path):
+    root = tiny_gpt_dump(tmp_path, steps=1, level="mix", list=["Module.layers.1.mlp.Sequential.forward.0"])
+    assert list(_data(root)) == [  # its forward, expanded; API counters run over the whole step
+        "Functional.linear.2.forward", "Module.layers.1.mlp.0.Linear.forward.0", "Functional.gelu.1.forward",
+        "Module.layers.1.mlp.1.GELU.forward.0", "Functional.linear.3.forward", "Module.layers.1.mlp.2.Linear.forward.0",
+        "Module.layers.1.mlp.Sequential.forward.0"]
+
+
+def test_injected_nan_shows_in_the_dump(tmp_path):
+    root = tiny_gpt_dump(tmp_path, steps=2, level="L0", inject_layer="layers.1.mlp", inject_step=1)
+    before, after = _data(root, 0), _data(root, 1)
+    name = "Module.layers.1.mlp.Sequential.forward.0"
+    assert before[name]["output"][0]["Max"] == before[name]["output"][0]["Max"]
+    assert after[name]["output"][0]["Max"] != after[name]["output"][0]["Max"]  # nan
+    text = (root / "step1" / "rank" / "dump.json").read_text()
+    assert "NaN" in text and json.loads(text)["level"] == "L0"
+
+
+def test_the_mode_comes_off_the_stack_under_other_modes():
+    class Other(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    ours, other = Other(), Other()
+    push_mode(ours)
+    with other:
+        remove_mode(ours)
+        assert torch.overrides._get_current_function_mode_stack() == [other]
+    assert torch.overrides._get_current_function_mode_stack() == []
+
+
+def test_an_error_inside_the_tool_is_reported_and_training_goes_on(tmp_path, monkeypatch, caplog):
+    from msprobe_engine.dump.recorder import Recorder
+
+    def broken(self, tensor, name):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(Recorder, "_slot", broken)
+    debugger = PrecisionDebugger({"dump_path": str(tmp_path), "level": "mix"})
+    assert train_tiny_gpt(2, debugger) == train_tiny_gpt(2)
+    debugger.close()
+    assert debugger.hook_errors["API"] > 1 and debugger.steps_written == 2
+    assert sum("msprobe dump: error in API" in r.message for r in caplog.records) == 1

@@ -1,0 +1,87 @@
+"""Writing: atomic per step (a SIGKILL leaves only complete steps), bounded queue, drop counts."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from dump_helpers import train_tiny_gpt
+from msprobe_engine.dump import PrecisionDebugger, iter_dump_tensors, load_dump
+
+TESTS = Path(__file__).parent
+
+CHILD = textwrap.dedent("""
+    import sys
+    sys.path[:0] = [{root!r}, {tests!r}]
+    import torch
+    torch.set_num_threads(1)
+    from dump_helpers import SMALL, TinyGPT, synthetic_batches
+    from msprobe_engine.dump import PrecisionDebugger
+    debugger = PrecisionDebugger({{"task": "tensor", "dump_path": {dump!r}, "level": "mix"}})
+    torch.manual_seed(0)
+    model = TinyGPT(SMALL)
+    for step, (tokens, targets) in enumerate(synthetic_batches(SMALL, 10_000)):
+        with debugger.step_scope(model):
+            model(tokens, targets).backward()
+        print(step, flush=True)
+""")
+
+
+def test_sigkill_mid_run_leaves_every_written_step_complete(tmp_path):
+    dump = tmp_path / "dump"
+    script = CHILD.format(root=str(TESTS.parent), tests=str(TESTS), dump=str(dump))
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 60
+        while not (dump / "step1" / "rank" / "dump.json").exists():  # two steps written; more in flight
+            assert child.poll() is None and time.monotonic() < deadline, "the child died or hangs"
+            time.sleep(0.01)
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+    dumps = load_dump(dump)  # strict: every dump.json present is complete and valid
+    assert len(dumps) >= 2 and all(rank is None for _, rank in dumps)
+    for rank_dump in dumps.values():
+        refs = list(iter_dump_tensors({"data": rank_dump.data}))
+        assert refs and all(rank_dump.tensor_file(ref).is_file() for ref in refs)
+        assert (rank_dump.path / "construct.json").is_file()
+
+
+def _gated(debugger: PrecisionDebugger) -> threading.Event:
+    """Block the writer thread until the returned event is set."""
+    started, gate = threading.Event(), threading.Event()
+    debugger.writer.submit(lambda: (started.set(), gate.wait()), "gate")
+    started.wait()
+    return gate
+
+
+@pytest.mark.parametrize("task", ["statistics", "tensor"])
+def test_a_full_queue_drops_whole_steps_and_counts_them(tmp_path, task):
+    debugger = PrecisionDebugger({"task": task, "dump_path": str(tmp_path), "level": "L0", "strict": True,
+                                  "queue_size": 1, "when_full": "drop"})
+    gate = _gated(debugger)
+    train_tiny_gpt(3, debugger)
+    gate.set()
+    debugger.close()
+    assert debugger.dropped_steps >= 2 and debugger.steps_written + debugger.dropped_steps == 3
+    assert len(list(tmp_path.glob("step*/rank"))) == debugger.steps_written
+    assert not any(p.name.endswith(".partial") for p in tmp_path.glob("step*/.*"))
+
+
+def test_wait_policy_keeps_every_step_and_a_rerun_replaces_it(tmp_path):
+    for _ in range(2):
+        debugger = PrecisionDebugger({"dump_path": str(tmp_path), "level": "L1", "queue_size": 1})
+        gate = _gated(debugger)
+        threading.Timer(0.2, gate.set).start()
+        train_tiny_gpt(3, debugger)
+        debugger.close()
+        assert (debugger.steps_written, debugger.dropped_steps, debugger.writer.dropped) == (3, 0, 0)
+    assert sorted(load_dump(tmp_path)) == [(0, None), (1, None), (2, None)]
