@@ -4,11 +4,14 @@
                             [--inject nan|inf|spike|none] [--config configs/full.yaml]
 
 Runs on CPU in well under a minute; prints which alert fired, where and when,
-and the `tensorboard --logdir` line to look at the run.
+the incident it left (directory, first culprit, replay) and the
+`tensorboard --logdir` line to look at the run. Without --config, a non-finite
+step is skipped (`action: skip`), so the training survives the injected nan.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import time
@@ -39,15 +42,21 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     if args.inject != "none":  # registered first, so the monitor sees the corrupted output
         inject(model, args.inject_layer, lambda: monitor.step, args.inject_step, args.inject)
-    config = args.config or {"output_dir": args.output_dir}
+    config = args.config or {"output_dir": args.output_dir,
+                             "alerts": [{"rule": "non_finite", "action": "skip"}, {"rule": "spike"}]}
     monitor = TorchMonitor(model, optimizer, config)
-    start = time.perf_counter()
-    for tokens, targets in synthetic_batches(model.cfg, args.steps, seed=args.seed):
+
+    def train_step(tokens: torch.Tensor, targets: torch.Tensor) -> None:
         loss = model(tokens, targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        monitor.report_loss(loss)  # before the optimizer step: the loss, too, can decide a skip
         optimizer.step()
-        monitor.step_end(loss)
+
+    start = time.perf_counter()
+    for tokens, targets in synthetic_batches(model.cfg, args.steps, seed=args.seed):
+        monitor.run_step(train_step, tokens, targets)  # replayable if an alert starts
+        monitor.step_end()
     monitor.close()
     elapsed = time.perf_counter() - start
     print_summary(monitor, args, elapsed)
@@ -70,6 +79,25 @@ def print_summary(monitor, args: argparse.Namespace, elapsed: float) -> None:
     for event in (e for e in events if e.phase == "end"):
         print(f"alert: {event.rule} ended at step {event.step} after {event.steps} steps")
     print(f"\nsee the run:  tensorboard --logdir {os.path.abspath(monitor.config.output_dir)}")
+    print_incidents(monitor)
+
+
+def print_incidents(monitor) -> None:
+    """The incident directories and what incident.json says about the first culprit."""
+    recorder = monitor.incidents
+    for incident in recorder.incidents if recorder is not None else []:
+        print(f"\nincident: {os.path.abspath(incident.directory)}")
+        report = incident.directory / "incident.json"
+        if not report.is_file():
+            print("  (not written: see the log)")
+            continue
+        found = json.loads(report.read_text())
+        culprit = found["culprit"]
+        if culprit is None or culprit["call"] is None:
+            print(f"  culprit: none among the watched modules; first bad: {culprit and culprit['first_bad']}")
+        else:
+            print(f"  culprit: {culprit['call']} ({culprit['module_class']}, {culprit['phase']}): {culprit['method']}")
+        print(f"  action: {found['action']}; replay: {found['replay']['status']} ({found['replay']['detail']})")
 
 
 if __name__ == "__main__":

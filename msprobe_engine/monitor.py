@@ -13,10 +13,15 @@ Statistics stay on the device until one packed transfer per monitored step:
 at `step_end`, or, when a rule's action needs a decision before the weights
 change (skip/stop), at `before_optimizer_step`, in which case what is
 measured after the optimizer step travels with the next step's transfer.
+A step run through `run_step` is decided early too, so that an alert found
+before its optimizer step can be replayed. `before_optimizer_step` returns a
+`StepDecision` (skip the optimizer step or not) and raises `TrainingStopped`
+for a `stop` rule; alerts that start leave incidents (`incident` package).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -27,9 +32,14 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from msprobe_engine.config import ConfigSource, MonitorConfig, load_config
+from msprobe_engine.incident.actions import StepDecision, TrainingStopped
+from msprobe_engine.incident.graph import HIDDEN_KINDS, CallGraph
+from msprobe_engine.incident.recorder import Incident, IncidentRecorder
+from msprobe_engine.incident.replay import ReplayHost, StepCall, every_statistic
 from msprobe_engine.records import AlertEvent, StepRecord
 from msprobe_engine.rules import AlertTracker, Firing, build_rules
 from msprobe_engine.sinks import BackgroundWriter, create_sinks
+from msprobe_engine.stats import divide
 from msprobe_engine.stats.table import MetricKey, StatTable
 
 log = logging.getLogger("msprobe_engine")
@@ -56,6 +66,7 @@ class Monitor:
         self.alert_log: deque[AlertEvent] = deque(maxlen=ALERT_LOG_SIZE)
         self.records_written = 0
         self.hook_errors: dict[str, int] = {}
+        self.disabled: set[str] = set()
         self.reducer: Reducer | None = None
         self.step_end_listeners: list[Callable[[StepRecord], None]] = []
         self._rules = build_rules(self.config.alerts)
@@ -74,6 +85,17 @@ class Monitor:
         self._sinks = create_sinks(self.config.sinks, self.run_dir) if writes else []
         self.writer = BackgroundWriter(self.config.writer.queue_size, self.config.writer.when_full,
                                        strict=self.config.strict)
+        self.incidents = IncidentRecorder(self) if self.config.incidents.enabled else None
+        #: filled by the module hooks when incidents are on (what each call read)
+        self.graph = CallGraph() if self.incidents is not None else None
+        #: (dtype, shape, requires_grad) of the last tensor measured under each key (incidents)
+        self.tensor_meta: dict[MetricKey, tuple] = {}
+        #: an integration's parallel layout (e.g. {"tp": 2, "pp": 1, "dp": 4}), recorded in incidents
+        self.layout: dict[str, Any] = {}
+        #: the framework side of a replay (`attach` sets the torch one)
+        self.replay_host: ReplayHost | None = None
+        self._step_call: StepCall | None = None
+        self._replaying = False
 
     # ---- wiring -----------------------------------------------------------------
     def attach(self, model: Any, optimizer: Any = None) -> "Monitor":
@@ -81,9 +103,13 @@ class Monitor:
         from msprobe_engine.backends import torch_backend
         from msprobe_engine.collect.torch_modules import ModuleHooks
         from msprobe_engine.collect.torch_optim import OptimizerHooks
+        from msprobe_engine.collect.torch_replay import TorchReplayHost
 
         self.backend = self.backend or torch_backend
         self._attachments += [ModuleHooks(self, model), OptimizerHooks(self, model, optimizer)]
+        if self.replay_host is None:
+            self.replay_host = TorchReplayHost()
+        self.replay_host.models.append(model)
         return self
 
     def detach(self) -> None:
@@ -94,15 +120,34 @@ class Monitor:
     # ---- lifecycle --------------------------------------------------------------
     def micro_step_begin(self) -> None:
         """A new micro-batch starts; closes the previous step if `step_end` was not called."""
+        if self._replaying:
+            return
         if self._optimizer_done:
             self.step_end()
         self.micro_steps += 1
 
-    def add_tensors(self, keys: Sequence[MetricKey], tensors: Sequence[Any]) -> None:
-        """Measure `tensors` (named by `keys`) on their device; no host transfer."""
+    def add_tensors(self, keys: Sequence[MetricKey], tensors: Sequence[Any], divisor: float = 1.0) -> None:
+        """Measure `tensors` (named by `keys`) on their device; no host transfer. `divisor` (> 0,
+        e.g. an fp16 loss scale still in the gradients) divides every value, exactly."""
         if self.active and tensors:
             rows = self.backend.partial_stats(tensors, count_zeros=self._count_zeros)
+            if divisor != 1.0:
+                rows = divide(rows, divisor)
             self._pending.append((self.step, list(keys), rows))
+            if self.incidents is not None:
+                self.tensor_meta.update(zip(keys, map(_tensor_meta, tensors)))
+
+    def discard(self, kind: str) -> None:
+        """Drop this step's not yet transferred statistics of `kind`, e.g. the gradients of a
+        step the framework skipped (fp16 overflow): they were thrown away, not applied."""
+        kept = []
+        for step, keys, rows in self._pending:
+            keep = [i for i, key in enumerate(keys) if step != self.step or key.kind != kind]
+            if len(keep) == len(keys):
+                kept.append((step, keys, rows))
+            elif keep:
+                kept.append((step, [keys[i] for i in keep], rows[keep]))
+        self._pending = kept
 
     def report_loss(self, loss: Any) -> None:
         """Tell the monitor this step's loss (a tensor or a number), before or after the step."""
@@ -112,26 +157,41 @@ class Monitor:
             loss = self.backend.scalar(float(loss))
         self.add_tensors([MetricKey("train", "loss")], [loss])
 
-    def before_optimizer_step(self) -> list[Firing]:
-        """At the accumulation boundary. Returns what fires now when a rule's action needs a
-        decision before the weights change (otherwise nothing is evaluated yet)."""
-        if not (self.active and self.decide_early):
-            return []
+    def before_optimizer_step(self) -> StepDecision:
+        """At the accumulation boundary, once the gradients are final. When a rule's action needs
+        a decision before the weights change (skip/stop), or the step runs through `run_step`,
+        the step's statistics are transferred and evaluated here. The integration skips the
+        optimizer step when the returned decision says `skip` (always during a replay). A firing
+        `stop` rule makes this flush every writer and raise `TrainingStopped`."""
+        if self._replaying:
+            return StepDecision(replaying=True)
+        if not (self.active and (self.decide_early or self._step_call is not None)):
+            return StepDecision()
+        decision, made = StepDecision(), []
         with self.guard("pre-step evaluation"):
             tables = self._transfer()
             table = tables.pop(self.step)
             firing = self._evaluate(table)
             events = self._tracker.update(self.step, firing, scope="pre:")
-            self._emit_late(tables)
+            # what an earlier step showed after its optimizer step can only stop the run now
+            firing += [f for f in self._emit_late(tables) if f.action == "stop"]
             self._early[self.step] = (table, events)
-            return firing
-        return []
+            decision = StepDecision(tuple(firing))
+            made = self._start_incidents(self.step, table, table, events, firing)
+            if made:
+                self.incidents.conclude(made, self._step_call, "the step was not run through Monitor.run_step")
+        if decision.stop:
+            self._stop(decision, made)
+        return decision
 
     def after_optimizer_step(self) -> None:
-        self._optimizer_done = True
+        if not self._replaying:
+            self._optimizer_done = True
 
     def step_end(self, loss: Any = None) -> StepRecord | None:
         """Close the optimizer step: one transfer, rules, one record to the writer."""
+        if self._replaying:
+            return None
         self.report_loss(loss)
         record = None
         if self.active:
@@ -154,7 +214,7 @@ class Monitor:
     def drain(self) -> None:
         """Emit the records still held back (early-decision mode keeps a step's record until
         the next transfer); call it after `step_end`, e.g. when the run is about to stop."""
-        if self.decide_early and (self._pending or self._early):
+        if self._early or (self.decide_early and self._pending):
             with self.guard("drain"):
                 self._emit_late(self._transfer() if self._pending else {})
 
@@ -163,6 +223,51 @@ class Monitor:
         for sink in self._sinks:
             self.writer.submit(sink.flush, "sink flush")
         self.writer.flush()
+
+    # ---- replay -----------------------------------------------------------------
+    def run_step(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run one training step, ``fn(*args, **kwargs)`` (forward, backward, optimizer step),
+        and return its result. An alert that starts before that step's optimizer step then
+        comes with a replay of the step (`incidents.replay`; see docs/incidents.md)."""
+        replay = self.active and self.incidents is not None and self.config.incidents.replay.enabled
+        if not replay or self.replay_host is None or self._step_call is not None or self._replaying:
+            return fn(*args, **kwargs)
+        self._step_call = StepCall(fn, args, kwargs, self.replay_host.capture_rng())
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._step_call = None
+
+    def replayable(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Decorator: every call of the step function `fn` goes through `run_step`."""
+        @functools.wraps(fn)
+        def step(*args: Any, **kwargs: Any) -> Any:
+            return self.run_step(fn, *args, **kwargs)
+        return step
+
+    @property
+    def replaying(self) -> bool:
+        """True while a step is replayed: hooks must leave the real step's state alone."""
+        return self._replaying
+
+    @contextlib.contextmanager
+    def replay_statistics(self) -> Iterator[dict[str, float]]:
+        """While a step is replayed: hooks measure into a buffer of their own, the lifecycle
+        calls do nothing and the optimizer step is skipped. On a normal exit the dict holds the
+        replay's values (every statistic of every row, by tag, and the step's metrics)."""
+        saved, self._pending, self._replaying = self._pending, [], True
+        values: dict[str, float] = {}
+        try:
+            yield values
+            table = self._transfer(reduce=False)[self.step]
+            values.update(every_statistic(table))
+            values.update(self._metrics(table))
+        finally:
+            self._pending, self._replaying = saved, False
+
+    def metrics_of(self, table: StatTable) -> dict[str, float]:
+        """Tag -> value of a table of statistics, as the sinks get them."""
+        return self._metrics(table)
 
     def __enter__(self) -> "Monitor":
         return self
@@ -173,7 +278,8 @@ class Monitor:
     # ---- errors -----------------------------------------------------------------
     @contextlib.contextmanager
     def guard(self, where: str) -> Iterator[None]:
-        """Run a hook body: an error is logged once with `where` (strict mode re-raises)."""
+        """Run a hook body: an error is logged once with `where`, and `where` joins
+        `monitor.disabled`, which hooks check to switch themselves off (strict mode re-raises)."""
         try:
             yield
         except Exception as exc:
@@ -181,8 +287,9 @@ class Monitor:
                 raise
             count = self.hook_errors.get(where, 0)
             self.hook_errors[where] = count + 1
+            self.disabled.add(where)
             if count == 0:
-                log.error("msprobe: error in %s (step %d): %s: %s; it is reported once and skipped",
+                log.error("msprobe: error in %s (step %d): %s: %s; it is reported once and disabled",
                           where, self.step, type(exc).__name__, exc)
 
     def warn(self, message: str) -> None:
@@ -195,14 +302,15 @@ class Monitor:
             self.warn(f"{key}: no module named {', '.join(names)}; nothing is watched for them")
 
     # ---- internals --------------------------------------------------------------
-    def _transfer(self) -> dict[int, StatTable]:
-        """The one device-to-host copy: every pending row, grouped by step."""
+    def _transfer(self, reduce: bool = True) -> dict[int, StatTable]:
+        """The one device-to-host copy: every pending row, grouped by step (`reduce`: through
+        `self.reducer`; a replay, which runs on its own, is not reduced)."""
         pending, self._pending = self._pending, []
         if not pending:
             return {self.step: StatTable([], np.empty((0, 8)))}
         keys = [k for _, ks, _ in pending for k in ks]
         rows = self.backend.concat([r for _, _, r in pending])
-        if self.reducer is not None:
+        if reduce and self.reducer is not None:
             rows = self.reducer(keys, rows)
         host = self.backend.to_host(rows)
         self.transfers += 1
@@ -215,24 +323,49 @@ class Monitor:
         return tables
 
     def _finish_step(self) -> StepRecord | None:
-        if self.decide_early:
+        if self.decide_early or self.step in self._early:
             return None  # emitted with the next transfer, joined with what follows the step
-        table = self._transfer()[self.step]
-        events = self._tracker.update(self.step, self._evaluate(table))
-        return self._emit(self.step, table, events)
+        tables = self._transfer()
+        table = tables.pop(self.step)
+        self._emit_late(tables)  # an earlier step decided early (run through run_step)
+        firing = self._evaluate(table)
+        events = self._tracker.update(self.step, firing)
+        record = self._emit(self.step, table, events)
+        self._conclude_late(self._start_incidents(self.step, table, table, events, firing))
+        return record
 
-    def _emit_late(self, tables: dict[int, StatTable]) -> None:
-        """Early-decision mode: join each earlier step's post-step rows with its pre-step table."""
+    def _emit_late(self, tables: dict[int, StatTable]) -> list[Firing]:
+        """Early-decision mode: join each earlier step's post-step rows with its pre-step table.
+        Returns what fires in those post-step rows."""
         empty = StatTable([], np.empty((0, 8)))
+        fired: list[Firing] = []
         for step in sorted(set(self._early) | set(tables)):
             late = tables.get(step, empty)
             if step not in self._early and not late.keys:
                 continue
             early_table, events = self._early.pop(step, (empty, []))
-            events = events + self._tracker.update(step, self._evaluate(late), scope="post:")
+            firing = self._evaluate(late)
+            late_events = self._tracker.update(step, firing, scope="post:")
             merged = StatTable.from_rows(early_table.keys + late.keys,
                                          np.concatenate([early_table.partials, late.partials]))
-            self._emit(step, merged, events)
+            self._emit(step, merged, events + late_events)
+            self._conclude_late(self._start_incidents(step, merged, late, late_events, firing))
+            fired += firing
+        return fired
+
+    def _start_incidents(self, step: int, table: StatTable, fresh: StatTable, events: list[AlertEvent],
+                         firing: list[Firing]) -> list[Incident]:
+        return self.incidents.observe(step, table, fresh, events, firing) if self.incidents is not None else []
+
+    def _conclude_late(self, made: list[Incident]) -> None:
+        if made:
+            self.incidents.conclude(made, None, "found after the optimizer step: the weights have changed")
+
+    def _stop(self, decision: StepDecision, made: list[Incident]) -> None:
+        """Flush every writer, then raise `TrainingStopped`."""
+        self.flush()
+        rules = sorted({f.rule for f in decision if f.action == "stop"})
+        raise TrainingStopped(self.step, rules, [incident.directory for incident in made])
 
     def _evaluate(self, table: StatTable) -> list[Firing]:
         stats = table.finalized()
@@ -250,6 +383,8 @@ class Monitor:
         for i, key in enumerate(table.keys):
             if key.kind == "train":
                 metrics[f"train/{key.path}"] = means[i]
+                continue
+            if key.kind in HIDDEN_KINDS:
                 continue
             tags = self._tags.get(key)
             if tags is None:
@@ -286,6 +421,10 @@ class Monitor:
         for listener in self.step_end_listeners:
             listener(record)
         return record
+
+
+def _tensor_meta(tensor: Any) -> tuple:
+    return tensor.dtype, tensor.shape, getattr(tensor, "requires_grad", False)
 
 
 def _fmt(value: float) -> str:

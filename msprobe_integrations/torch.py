@@ -5,6 +5,10 @@
         loss = train_step(batch)      # forward, backward, optimizer.step()
         monitor.step_end(loss)
 
+`loss = monitor.run_step(train_step, batch)` instead makes an anomalous step
+replayable (docs/incidents.md). A `skip` rule makes `optimizer.step()` a no-op
+for that step; a `stop` rule raises `TrainingStopped` out of it.
+
 Micro-steps are counted on the root module's forward; gradients are read
 in the optimizer's pre-step hook (the accumulation boundary).
 """

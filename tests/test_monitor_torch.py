@@ -237,7 +237,9 @@ def test_a_hook_error_is_reported_once_and_training_goes_on(tmp_path, caplog):
     assert torch.isfinite(losses).all()
     errors = [r for r in caplog.records if "forward hook of layers.0.ln1" in r.message]
     assert len(errors) == 1 and "boom" in errors[0].message
-    assert monitor.hook_errors["forward hook of layers.0.ln1"] == 3
+    assert monitor.hook_errors["forward hook of layers.0.ln1"] == 1  # then disabled
+    assert "actv/layers.0.ln1/output/norm" not in monitor.history[-1].metrics
+    assert "actv/layers.0.ln2/output/norm" in monitor.history[-1].metrics
 
 
 def test_strict_mode_re_raises_hook_errors(tmp_path):

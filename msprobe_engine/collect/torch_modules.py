@@ -9,16 +9,23 @@ Forward recomputation during backward (activation checkpointing) is not
 counted again; its calls are numbered like the original ones (in recompute
 order, which matches the original order unless one module is shared by
 several checkpointed segments).
+
+When incidents are on, the hooks also note in the monitor's `CallGraph` which
+rows measured each call's inputs (`torch_flow.TensorFlow`): inputs that are an
+earlier call's output cost nothing, others are measured once, as are (with
+activation gradients) their gradients.
 """
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from msprobe_engine.collect.flatten import iter_tensors
 from msprobe_engine.collect.selection import ModuleFilter
+from msprobe_engine.collect.torch_flow import TensorFlow
+from msprobe_engine.incident.graph import INPUT_GRAD_KIND
 from msprobe_engine.stats.table import MetricKey
 
 if TYPE_CHECKING:
@@ -37,12 +44,21 @@ def in_backward() -> bool:
 class ModuleHooks:
     """Installs and removes the module hooks of one model."""
 
-    def __init__(self, monitor: "Monitor", model: torch.nn.Module, prefix: str = "") -> None:
+    def __init__(self, monitor: "Monitor", model: torch.nn.Module, prefix: str = "", *,
+                 name_map: Callable[[str], str] | None = None, counts_micro_steps: bool = True,
+                 exclude_types: tuple[type, ...] = ()) -> None:
+        """`name_map` turns a module path into the reported name (default: `prefix` + path);
+        `counts_micro_steps=False` for all but one of several models run per micro-batch;
+        modules of `exclude_types` (e.g. a framework's placeholders) are never watched."""
         self.monitor = monitor
+        self.counts_micro_steps = counts_micro_steps
+        rename = name_map or (lambda name: f"{prefix}{name}")
         watch = monitor.config.watch
         self.inputs = watch.module_inputs
         self.outputs = watch.module_outputs
         self.grads = watch.activation_grads
+        graph = monitor.graph
+        self.flow = TensorFlow(graph, self.inputs) if graph is not None and self.outputs else None
         self.calls: dict[str, int] = defaultdict(int)
         self.recomputed: dict[str, int] = defaultdict(int)
         self.handles: list = [model.register_forward_pre_hook(self._root_pre_hook)]
@@ -51,14 +67,16 @@ class ModuleHooks:
             return
         wanted = ModuleFilter(monitor.config.modules)
         for name, module in model.named_modules():
-            if name == "":
+            path = rename(name)
+            if graph is not None:
+                graph.classes[path] = type(module).__name__
+            if name == "" or isinstance(module, exclude_types):
                 continue  # the root's output is the loss or the logits: reported as train/loss
-            path = f"{prefix}{name}"
             if wanted(path, type(module).__name__):
                 self.paths.append(path)
                 self.handles.append(module.register_forward_hook(self._make_hook(path), with_kwargs=True))
         monitor.warn_unmatched("modules.names", wanted.unmatched_names(
-            {f"{prefix}{n}" for n, _ in model.named_modules()}))
+            {rename(n) for n, _ in model.named_modules()}))
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -70,15 +88,19 @@ class ModuleHooks:
             return
         self.calls.clear()
         self.recomputed.clear()
-        self.monitor.micro_step_begin()
+        if self.flow is not None:
+            self.flow.new_micro_step()
+        if self.counts_micro_steps:
+            self.monitor.micro_step_begin()
 
     def _make_hook(self, path: str):
         monitor = self.monitor
+        where = f"forward hook of {path}"
 
         def hook(module, args, kwargs, output):
-            if not monitor.active:
+            if not monitor.active or where in monitor.disabled:
                 return
-            with monitor.guard(f"forward hook of {path}"):
+            with monitor.guard(where):
                 recompute = in_backward()
                 counter = self.recomputed if recompute else self.calls
                 n = counter[path]
@@ -93,24 +115,38 @@ class ModuleHooks:
         if not recompute:
             tensors = [t for _, t in found] if self.outputs else []
             keys = [MetricKey("actv", name, role) for role, _ in found] if self.outputs else []
+            inputs = []
+            if self.inputs or self.flow is not None:
+                inputs = list(iter_tensors(dict([*enumerate(args), *kwargs.items()]), "input", _is_tensor))
             if self.inputs:
-                inputs = [*enumerate(args), *kwargs.items()]
-                for role, t in iter_tensors(dict(inputs), "input", _is_tensor):
-                    keys.append(MetricKey("actv", name, role))
-                    tensors.append(t)
+                keys += [MetricKey("actv", name, role) for role, _ in inputs]
+                tensors += [t for _, t in inputs]
+            fresh = self.flow.note_call(name, inputs, found) if self.flow is not None else []
+            if not self.inputs:  # inputs first: they were there before the output
+                keys = [key for key, _ in fresh] + keys
+                tensors = [t for _, t in fresh] + tensors
             self.monitor.add_tensors(keys, tensors)
+            if self.grads:
+                for key, t in fresh:
+                    self._hook_grad(t, MetricKey(INPUT_GRAD_KIND, name, key.role))
         if self.grads:
             # Under checkpointing, hooks on the pass that autograd differentiates are the ones that fire.
             for role, t in found:
-                if t.requires_grad:
-                    t.register_hook(self._make_grad_hook(MetricKey("actv_grad", name, role)))
+                self._hook_grad(t, MetricKey("actv_grad", name, role))
+
+    def _hook_grad(self, tensor: torch.Tensor, key: MetricKey) -> None:
+        # A leaf (a parameter returned as is, like Megatron's skip_bias_add bias) would keep
+        # every hook registered on it, one more each step: it is not hooked.
+        if tensor.requires_grad and tensor.grad_fn is not None:
+            tensor.register_hook(self._make_grad_hook(key))
 
     def _make_grad_hook(self, key: MetricKey):
         monitor = self.monitor
+        where = f"gradient hook of {key.path}"
 
         def grad_hook(grad):
-            if monitor.active:
-                with monitor.guard(f"gradient hook of {key.path}"):
+            if monitor.active and where not in monitor.disabled:
+                with monitor.guard(where):
                     monitor.add_tensors([key], [grad])
 
         return grad_hook

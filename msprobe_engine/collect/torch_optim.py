@@ -6,10 +6,15 @@ Parameters and optimizer state (exp_avg, exp_avg_sq of Adam/AdamW; the
 momentum buffer of SGD reported as exp_avg) are read in the post-step hook.
 The update and the update/parameter ratio need a copy of the parameters
 taken just before the step (only when the config asks for them).
+
+When the monitor's decision says skip (a `skip`/`stop` rule fired, or the step is a
+replay), the pre-step hook sets the gradients aside: torch.optim leaves a parameter
+whose `.grad` is None untouched (weights, moments, step count), so `optimizer.step()`
+changes nothing; the post-step hook puts the gradients back. No method is replaced.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 
@@ -20,6 +25,21 @@ if TYPE_CHECKING:
 
 #: optimizer-state key in torch.optim -> the name we report
 STATE_NAMES = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "momentum_buffer": "exp_avg"}
+
+HeldGrads = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def set_aside_grads(params: Iterable[torch.Tensor]) -> HeldGrads:
+    """Take the gradients off `params` (their `.grad` becomes None); `restore_grads` puts them back."""
+    held = [(p, p.grad) for p in params if p.grad is not None]
+    for p, _ in held:
+        p.grad = None
+    return held
+
+
+def restore_grads(held: HeldGrads) -> None:
+    for p, grad in held:
+        p.grad = grad
 
 
 class OptimizerHooks:
@@ -33,6 +53,7 @@ class OptimizerHooks:
         self.states = [s for s in watch.optimizer_state if s in ("exp_avg", "exp_avg_sq")]
         self.update = any(s in ("update", "ratio") for s in watch.optimizer_state)
         self._before: list[torch.Tensor] | None = None
+        self._held: HeldGrads = []
         self.handles: list = []
         if optimizer is None:
             return
@@ -51,19 +72,22 @@ class OptimizerHooks:
 
     def _pre_step(self, optimizer, args, kwargs) -> None:
         monitor = self.monitor
-        if not monitor.active:
-            monitor.before_optimizer_step()
-            return
-        with monitor.guard("optimizer pre-step hook"):
-            if monitor.config.watch.param_grads:
-                grads = [(n, p.grad) for n, p in self.params if p.grad is not None]
-                monitor.add_tensors([MetricKey("grad", n) for n, _ in grads], [g for _, g in grads])
-            if self.update:
-                self._before = torch._foreach_mul([p.detach() for _, p in self.params], 1.0)
-        monitor.before_optimizer_step()
+        if monitor.active:
+            with monitor.guard("optimizer pre-step hook"):
+                if monitor.config.watch.param_grads:
+                    grads = [(n, p.grad) for n, p in self.params if p.grad is not None]
+                    monitor.add_tensors([MetricKey("grad", n) for n, _ in grads], [g for _, g in grads])
+                if self.update and not monitor.replaying:
+                    self._before = torch._foreach_mul([p.detach() for _, p in self.params], 1.0)
+        if monitor.before_optimizer_step().skip:
+            self._held = set_aside_grads(p for group in optimizer.param_groups for p in group["params"])
 
     def _post_step(self, optimizer, args, kwargs) -> None:
         monitor = self.monitor
+        restore_grads(self._held)
+        self._held = []
+        if monitor.replaying:
+            return
         if monitor.active:
             with monitor.guard("optimizer post-step hook"):
                 self._read_after_step(optimizer)

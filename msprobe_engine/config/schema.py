@@ -16,6 +16,7 @@ SINK_NAMES = ("tensorboard", "csv", "jsonl")
 RULE_NAMES = ("non_finite", "spike")
 RULE_TARGETS = ("loss", "actv", "actv_grad", "grad", "param", "optim")
 ACTIONS = ("continue", "skip", "stop")
+REPLAY_LEVELS = ("L0", "mix")
 
 
 def choices(*values: str) -> dict:
@@ -82,6 +83,27 @@ class Rule:
     action: str = field(default="continue", metadata=choices(*ACTIONS))
 
 
+@dataclass(kw_only=True, slots=True)
+class Replay:
+    """Re-run of a step whose anomaly was found before the optimizer step, with a tensor dump
+    (`level` L0: modules; mix: modules and APIs) into the incident directory. Only steps run
+    through `Monitor.run_step` (or a `Monitor.replayable` function) can be replayed."""
+    enabled: bool = True
+    level: str = field(default="L0", metadata=choices(*REPLAY_LEVELS))
+
+
+@dataclass(kw_only=True, slots=True)
+class Incidents:
+    """What an alert leaves on disk: one directory per alert episode that starts, at most
+    `max_incidents` per run, under `dir` (default `<output_dir>/incidents`); `top_k` modules
+    by deviation from their running average are named in it."""
+    enabled: bool = True
+    dir: str = ""
+    max_incidents: int = field(default=10, metadata=at_least(0))
+    top_k: int = field(default=10, metadata=at_least(0))
+    replay: Replay = field(default_factory=Replay)
+
+
 def default_rules() -> list[Rule]:
     return [Rule(rule="non_finite"), Rule(rule="spike")]
 
@@ -100,3 +122,4 @@ class MonitorConfig:
     ring_buffer: int = field(default=32, metadata=at_least(1))
     per_rank: bool = False
     alerts: list[Rule] = field(default_factory=default_rules)
+    incidents: Incidents = field(default_factory=Incidents)
