@@ -8,20 +8,36 @@ maxes, sums add). No full tensor is ever gathered.
 """
 from __future__ import annotations
 
+import zlib
+from typing import Sequence
+
 import torch
 import torch.distributed as dist
 
 from msprobe_engine.stats import P_MAX, P_MIN
+from msprobe_engine.stats.table import MetricKey
 
 
 def gather_merge(rows: torch.Tensor, group=None) -> torch.Tensor:
     """Return the rows merged over every rank of `group` (identical on all ranks)."""
-    world = dist.get_world_size(group)
-    if world == 1:
+    if dist.get_world_size(group) == 1:
         return rows
+    return merge_stacked(gather_rows(rows, group))
+
+
+def gather_rows(rows: torch.Tensor, group=None) -> torch.Tensor:
+    """All-gather every rank's ``[k, 8]`` rows into ``[world, k, 8]`` (one collective), for
+    callers that merge some rows and keep others (e.g. tensors replicated across the group)."""
+    world = dist.get_world_size(group)
     gathered = torch.empty((world * rows.shape[0], rows.shape[1]), dtype=rows.dtype, device=rows.device)
     _all_gather(gathered, rows.contiguous(), group=group)
-    return merge_stacked(gathered.view(world, *rows.shape))
+    return gathered.view(world, *rows.shape)
+
+
+def layout_checksum(keys: Sequence[MetricKey]) -> int:
+    """A checksum of a key list that is the same in every process (unlike `hash`): ranks
+    send it along with their rows to prove they measured the same tensors in the same order."""
+    return zlib.crc32("\n".join("\t".join(k) for k in keys).encode())
 
 
 def merge_stacked(stacked: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,95 @@
+"""Monitor overhead under Megatron-core: median step time with the monitor over without it.
+
+The tiny GPT (4 layers, hidden 128, 2 micro-batches of 4 x 64 tokens) trains with
+tensor parallel 2 or data parallel 2 (distributed optimizer) on two gloo CPU ranks, at
+OMP_NUM_THREADS=1. Three copies of the model live in the same two processes: without
+the tool, with configs/megatron/monitor.yaml, and with everything watched every step
+(module outputs and inputs, activation gradients, gradients, weights, Adam's moments,
+updates and update/weight ratios; as "everything" in bench/overhead.py). One step of
+each in turn, the order rotating every round, so machine noise hits every config
+alike. Times are rank 0's. The LAST printed line is one JSON object mapping each
+config to its ratio over no tool (goal: <= 1.3).
+
+    OMP_NUM_THREADS=1 python bench/megatron_overhead.py [--parallel tp|dp] [--steps 40] [--warmup 5]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.multiproc import run_ranks  # noqa: E402
+
+EVERYTHING = {"watch": {"module_outputs": True, "module_inputs": True, "activation_grads": True,
+                        "param_grads": True, "params": True,
+                        "optimizer_state": ["exp_avg", "exp_avg_sq", "update", "ratio"]},
+              "sinks": ["tensorboard"]}
+
+
+def rank_main(rank: int, world: int, parallel: str, steps: int, warmup: int, out: str) -> dict:
+    import torch
+
+    from msprobe_engine.config.loader import read_file
+    configs = {"megatron/monitor.yaml": read_file(ROOT / "configs" / "megatron" / "monitor.yaml"),
+               "everything": EVERYTHING}
+    from msprobe_integrations.megatron import MegatronMonitor
+    from tests import megatron_helpers as H
+
+    torch.set_num_threads(1)
+    H.init_parallel(tp=2 if parallel == "tp" else 1)
+    spec = H.TinySpec(layers=4, hidden=128, heads=4, vocab=256, seq=64, batch=4)
+    runs = {}
+    for name in ["no tool", *configs]:
+        model = H.wrap_ddp(H.build_gpt(spec), distributed_optimizer=parallel == "dp")
+        optimizer = H.build_optimizer([model])
+        monitor = None
+        if name in configs:
+            config = {**configs[name], "output_dir": str(Path(out) / name.replace("/", "_"))}
+            monitor = MegatronMonitor([model], optimizer, config=config)
+        runs[name] = (model, optimizer, monitor, [])
+    names = list(runs)
+    for i in range(steps + warmup):
+        batches = H.micro_batches(spec, 2, seed=i * world + (rank if parallel == "dp" else 0))
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            model, optimizer, monitor, times = runs[name]
+            start = time.perf_counter()
+            loss, _, _ = H.train_step(model, optimizer, batches)
+            if monitor is not None:
+                monitor.step_end(loss)
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+    for _, _, monitor, _ in runs.values():
+        if monitor is not None:
+            monitor.close()
+    return {name: statistics.median(run[3]) for name, run in runs.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parallel", choices=["tp", "dp"], default="tp")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
+    args = parser.parse_args()
+    out = tempfile.mkdtemp(prefix="msprobe-megatron-bench-")
+    medians = run_ranks(rank_main, 2, args.parallel, args.steps, args.warmup, out, timeout=1800)[0]
+    base = medians.pop("no tool")
+    print(f"{args.parallel.upper()}=2, median step time without the tool: {base * 1e3:.2f} ms ({args.steps} steps)")
+    ratios = {}
+    for name, median in medians.items():
+        ratios[name] = round(median / base, 3)
+        print(f"{name:24s} {median * 1e3:8.2f} ms  x{ratios[name]:.3f}")
+    print(json.dumps(ratios))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""Model chunks: unwrapping Megatron's wrappers and naming with global layer numbers.
+
+A pipeline stage (or a virtual-pipeline chunk) holds `decoder.layers.0 ..` with
+local indices. Megatron records the global, 1-based number of every transformer
+layer in its `layer_number` attribute (offset by the pipeline stage and the
+virtual stage); the reported names use it, so `decoder.layers.<i>` always means
+the i-th layer of the whole model, whichever stage holds it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from megatron.core.distributed import (DistributedDataParallel, FullyShardedDataParallel,
+                                       TorchFullyShardedDataParallel)
+from megatron.core.transformer.module import Float16Module, MegatronModule
+
+#: wrappers whose `.module` is the model; Megatron's DDP also holds the grad buffers
+_WRAPPERS = (DistributedDataParallel, Float16Module, torch.nn.parallel.DistributedDataParallel)
+
+
+@dataclass
+class Chunk:
+    """One model chunk: the innermost module (hooked), its Megatron DDP wrapper, its naming."""
+    module: torch.nn.Module
+    ddp: DistributedDataParallel | None
+    rename: Callable[[str], str]
+
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """Trainable dense parameters under their reported (global) names."""
+        return [(self.rename(n), p) for n, p in self.module.named_parameters()
+                if p.requires_grad and not is_expert(p)]
+
+
+def is_expert(param: torch.nn.Parameter) -> bool:
+    """Megatron marks expert-parallel (MoE) parameters with `allreduce=False`."""
+    return getattr(param, "allreduce", True) is False
+
+
+def unwrap_chunks(model_chunks: Any) -> list[Chunk]:
+    """Accept one model or a list of chunks (virtual pipeline); raise on anything else."""
+    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    if not chunks:
+        raise ValueError("MegatronMonitor: model_chunks is empty; pass the model chunks Megatron built")
+    out = []
+    for index, obj in enumerate(chunks):
+        if not isinstance(obj, torch.nn.Module):
+            raise TypeError(f"MegatronMonitor: model chunk {index} is a {type(obj).__name__}, "
+                            "not a torch.nn.Module (expected a GPTModel or its DistributedDataParallel)")
+        if isinstance(obj, (FullyShardedDataParallel, TorchFullyShardedDataParallel)):
+            raise TypeError(f"MegatronMonitor: model chunk {index} is wrapped in {type(obj).__name__}; "
+                            "fully sharded data parallel is not supported (use DistributedDataParallel, "
+                            "with use_distributed_optimizer for sharded optimizer state)")
+        ddp, module = None, obj
+        while isinstance(module, _WRAPPERS):
+            if isinstance(module, DistributedDataParallel) and ddp is None:
+                ddp = module
+            module = module.module
+        out.append(Chunk(module, ddp, global_layer_names(module)))
+    return out
+
+
+def describe_problems(chunks: Sequence[Chunk], tensor_parallel: int, data_parallel: int,
+                      stages: int) -> list[str]:
+    """Warnings about chunks the monitor can only partly understand (never silent)."""
+    problems = []
+    if tensor_parallel > 1 and not any(getattr(p, "tensor_model_parallel", False)
+                                       for chunk in chunks for p in chunk.module.parameters()):
+        problems.append("no parameter carries Megatron's tensor_model_parallel attribute although the "
+                        f"tensor-parallel size is {tensor_parallel}: every parameter is counted as replicated")
+    if stages > 1 and not any(isinstance(getattr(m, "layer_number", None), int)
+                              for chunk in chunks for m in chunk.module.modules()):
+        problems.append("no module carries Megatron's layer_number: names keep their local layer "
+                        f"indices and may repeat across the {stages} pipeline stages")
+    for index, chunk in enumerate(chunks):
+        kind = type(chunk.module).__name__
+        if not isinstance(chunk.module, MegatronModule):
+            problems.append(f"model chunk {index} ({kind}) is not a Megatron module: its parameters "
+                            "carry no tensor-parallel attributes and are treated as replicated")
+        experts = sum(1 for p in chunk.module.parameters() if is_expert(p))
+        if experts:
+            problems.append(f"model chunk {index} ({kind}) has {experts} expert-parallel (MoE) "
+                            "parameters: expert parallelism is not supported, their gradients, "
+                            "weights and state are not monitored")
+        if chunk.ddp is None and data_parallel > 1:
+            problems.append(f"model chunk {index} ({kind}) is not wrapped in Megatron's "
+                            "DistributedDataParallel although data-parallel size is "
+                            f"{data_parallel}: gradients are read from .grad as they are")
+    return problems
+
+
+def global_layer_names(module: torch.nn.Module) -> Callable[[str], str]:
+    """Return a function mapping a local module or parameter path to its global name.
+
+    Every submodule at `<list>.<i>` with an int `layer_number` (Megatron's global,
+    1-based layer number) is renamed `<list>.<layer_number - 1>`; other paths keep
+    their name.
+    """
+    renames: dict[str, str] = {}
+    for name, sub in module.named_modules():
+        head, _, index = name.rpartition(".")
+        number = getattr(sub, "layer_number", None)
+        if head and index.isdigit() and isinstance(number, int):
+            renames[name] = f"{head}.{number - 1}"
+    if not renames:
+        return lambda path: path
+
+    def rename(path: str) -> str:
+        parts = path.split(".")
+        for end in range(len(parts), 0, -1):
+            hit = renames.get(".".join(parts[:end]))
+            if hit is not None:
+                return ".".join([hit, *parts[end:]])
+        return path
+
+    return rename
+
+
+def prefix_if_clashing(chunks: list[Chunk]) -> list[str]:
+    """Virtual-pipeline chunks must not share a name; if they do, prefix `chunk<i>.` to all of them.
+
+    Returns the warning when names were prefixed.
+    """
+    seen: dict[str, int] = {}
+    clash = None
+    for index, chunk in enumerate(chunks):
+        for name, _ in chunk.module.named_modules():
+            owner = seen.setdefault(chunk.rename(name), index) if name else index
+            if owner != index:
+                clash = chunk.rename(name)
+    if clash is None:
+        return []
+    for index, chunk in enumerate(chunks):
+        chunk.rename = _prefixed(f"chunk{index}.", chunk.rename)
+    return [f"model chunks share the name '{clash}' even with global layer numbers; "
+            "every name is prefixed with chunk<i>."]
+
+
+def _prefixed(prefix: str, rename: Callable[[str], str]) -> Callable[[str], str]:
+    return lambda path: f"{prefix}{rename(path)}"

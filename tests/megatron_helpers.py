@@ -1,0 +1,258 @@
+"""Megatron-core 0.16.1 on a CPU: the test-only patches, a tiny GPTModel and a training step.
+
+Shared by tests/test_megatron.py, examples/megatron_train.py and
+bench/megatron_overhead.py. The patches (see shared/notes/frameworks-on-cpu.md)
+only make CUDA-only allocations land on the CPU; none of them is needed on GPUs:
+1. the tensor-parallel RNG tracker is created directly (`model_parallel_cuda_manual_seed`
+   needs CUDA);
+2. `GlobalMemoryBuffer.get_tensor` allocates on the CPU;
+3. `torch.cuda.current_device()` answers "cpu", `torch.cuda.synchronize` does nothing
+   (Megatron's DDP) and the CUDA RNG state is the CPU's (the re-run engine saves it);
+4. `torch.tensor/zeros/ones/empty(..., device="cuda")` allocate on the CPU (Megatron's
+   optimizers, grad norm and re-run engine);
+5. while a Megatron optimizer is built, CPU tensors report CUDA type names (its
+   constructors check them).
+`train_step` is the shape of Megatron-LM's: forward and backward over the
+micro-batches (pipeline stages exchange activations with send/recv, one
+micro-batch at a time) and `finalize_model_grads`, under the re-run engine's
+`should_run_forward_backward` loop, then `should_checkpoint_and_exit()` and
+`optimizer.step()`.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import zlib
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core import utils as megatron_utils
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import ChainedOptimizer, OptimizerConfig
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.optimizer import FP32Optimizer
+from megatron.core.rerun_state_machine import (RerunMode, destroy_rerun_state_machine, get_rerun_state_machine,
+                                                initialize_rerun_state_machine)
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """The tiny GPT and its data."""
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 4
+    vocab: int = 128
+    seq: int = 16
+    batch: int = 2
+
+
+def patch_for_cpu() -> None:
+    """Patches 2, 3 and 4 (process-wide, idempotent)."""
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda *args, **kwargs: None
+    megatron_utils.GlobalMemoryBuffer.get_tensor = _cpu_buffer_tensor
+    for name in ("tensor", "zeros", "ones", "empty"):
+        factory = getattr(torch, name)
+        if not getattr(factory, "cuda_on_cpu", False):
+            setattr(torch, name, _on_cpu(factory))
+
+
+def _on_cpu(factory: Callable) -> Callable:
+    def allocate(*args, **kwargs):
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+
+    allocate.cuda_on_cpu = True
+    return allocate
+
+
+def _cpu_buffer_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None) -> torch.Tensor:
+    return torch.empty(tensor_shape, dtype=dtype)
+
+
+def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234,
+                  rerun_mode: RerunMode = RerunMode.DISABLED) -> None:
+    """gloo process group (from the RANK/WORLD_SIZE/MASTER_* environment), Megatron's groups
+    and its re-run engine."""
+    patch_for_cpu()
+    if not dist.is_initialized():
+        for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29512"), ("RANK", "0"),
+                           ("WORLD_SIZE", "1")):
+            os.environ.setdefault(key, value)
+        dist.init_process_group("gloo")
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)  # patch 1
+    torch.manual_seed(seed)
+    fresh_rerun_engine(rerun_mode)
+
+
+def fresh_rerun_engine(mode: RerunMode = RerunMode.DISABLED) -> None:
+    """Megatron's re-run engine, as Megatron-LM sets it up at start (before the monitor wraps it)."""
+    destroy_rerun_state_machine()
+    initialize_rerun_state_machine(mode=mode)
+
+
+def build_gpt(spec: TinySpec = TinySpec(), seed: int = 1234) -> GPTModel:
+    """The tiny GPT for this rank's pipeline stage, with the same weights for every TP/PP split."""
+    config = TransformerConfig(
+        num_layers=spec.layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        pipeline_dtype=torch.float32, use_cpu_initialization=True, gradient_accumulation_fusion=False,
+        persist_layer_norm=False, bias_activation_fusion=False, bias_dropout_fusion=False,
+        masked_softmax_fusion=False, apply_rope_fusion=False, hidden_dropout=0.0, attention_dropout=0.0)
+    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=spec.vocab, max_sequence_length=spec.seq,
+                     pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage())
+    _init_by_global_name(model, seed)
+    return model
+
+
+def _init_by_global_name(model: GPTModel, seed: int) -> None:
+    """Every weight drawn from a generator seeded by its global name (whatever stage holds
+    it), then cut to this rank's tensor-parallel part as Megatron's CPU initialisation does."""
+    tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    offsets = {f"decoder.layers.{i}.": f"decoder.layers.{layer.layer_number - 1}."
+               for i, layer in enumerate(model.decoder.layers)}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            local = next((k for k in offsets if name.startswith(k)), None)
+            name = offsets[local] + name[len(local):] if local else name
+            shape = list(param.shape)
+            partitioned = getattr(param, "tensor_model_parallel", False) and tp > 1
+            if partitioned:
+                shape[param.partition_dim] *= tp
+            gen = torch.Generator().manual_seed(seed + zlib.crc32(name.encode()))
+            full = torch.randn(shape, generator=gen) * 0.02 + (1.0 if "layernorm.weight" in name else 0.0)
+            param.copy_(full.chunk(tp, dim=param.partition_dim)[rank] if partitioned else full)
+
+
+def wrap_ddp(model: GPTModel, distributed_optimizer: bool = False,
+             check_for_nan_in_grad: bool = False) -> DistributedDataParallel:
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer,
+                                               check_for_nan_in_grad=check_for_nan_in_grad)
+    ddp = DistributedDataParallel(model.config, ddp_config, model)
+    model.config.finalize_model_grads_func = finalize_model_grads
+    return ddp
+
+
+@contextlib.contextmanager
+def cuda_type_names() -> Iterator[None]:
+    """Patch 5, only while a Megatron optimizer is constructed."""
+    tensor_type = torch.Tensor.type
+
+    def cuda_type(self, *args, **kwargs):
+        name = tensor_type(self, *args, **kwargs)
+        if args or kwargs or not name.startswith("torch.") or name.startswith("torch.cuda."):
+            return name
+        return "torch.cuda." + name[len("torch."):]
+
+    torch.Tensor.type = cuda_type
+    try:
+        yield
+    finally:
+        torch.Tensor.type = tensor_type
+
+
+def build_optimizer(chunks: list[DistributedDataParallel], lr: float = 1e-3) -> ChainedOptimizer:
+    """What `get_megatron_optimizer` returns for Adam without clipping: a ChainedOptimizer of a
+    DistributedOptimizer (when the DDP config asks for it) or an FP32Optimizer."""
+    params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
+    inner = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    distributed = chunks[0].ddp_config.use_distributed_optimizer
+    config = OptimizerConfig(optimizer="adam", lr=lr, clip_grad=0.0, use_distributed_optimizer=distributed)
+    with cuda_type_names():
+        if distributed:
+            group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+            optimizer = DistributedOptimizer(
+                inner, config, None, None, chunks, {i: c.buffers for i, c in enumerate(chunks)},
+                group, None, 0, 0)
+        else:
+            optimizer = FP32Optimizer(inner, config, None)
+    return ChainedOptimizer([optimizer])
+
+
+def micro_batches(spec: TinySpec, count: int, seed: int) -> list[torch.Tensor]:
+    """Deterministic token batches with a learnable pattern (next token = token + 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, spec.vocab, (count, spec.batch, 1), generator=gen)
+    return list((starts + torch.arange(spec.seq)) % spec.vocab)
+
+
+def inject_nan(model: DistributedDataParallel, layer: int) -> None:
+    """Put a nan into the first MLP weight of global layer `layer` (0-based), if this stage holds it."""
+    for block in model.module.decoder.layers:
+        if block.layer_number == layer + 1:
+            with torch.no_grad():
+                block.mlp.linear_fc1.weight.view(-1)[0] = float("nan")
+
+
+def loss_check(loss: torch.Tensor) -> None:
+    """Megatron-LM's `check_for_nan_in_loss_and_grad` on the loss (as pretrain_gpt's loss_func)."""
+    get_rerun_state_machine().validate_result(
+        result=loss, rejection_func=torch.isnan, message="found NaN in local forward loss calculation",
+        tolerance=0.0, fatal=True)
+
+
+def train_step(model: DistributedDataParallel, optimizer: ChainedOptimizer, batches: list[torch.Tensor],
+               check_nan: bool = False, after_backward: Callable[[], None] | None = None
+               ) -> tuple[torch.Tensor | None, float | None, bool]:
+    """One optimizer step over `batches` (micro-batches). Returns the mean loss on the last
+    pipeline stage (None elsewhere), Megatron's gradient norm, and whether Megatron's re-run
+    engine asks to exit (then no optimizer step was taken). `after_backward` runs once the
+    gradients are final."""
+    machine = get_rerun_state_machine()
+    while machine.should_run_forward_backward(None):
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses = [loss for tokens in batches
+                  if (loss := _forward_backward(model, tokens, len(batches), check_nan)) is not None]
+        model.config.finalize_model_grads_func([model])
+    _, should_exit, _ = machine.should_checkpoint_and_exit()
+    if should_exit:
+        return None, None, True
+    if after_backward is not None:
+        after_backward()
+    _, grad_norm, _ = optimizer.step()
+    return (torch.stack(losses).mean() if losses else None), grad_norm, False
+
+
+def _forward_backward(model: DistributedDataParallel, tokens: torch.Tensor, count: int,
+                      check_nan: bool) -> torch.Tensor | None:
+    seq = tokens.shape[1]
+    position_ids = torch.arange(seq).expand_as(tokens)
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)[None, None]
+    labels = (tokens + 1) % model.module.vocab_size
+    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+    received = None
+    if not first:
+        hidden = model.module.config.hidden_size
+        received = torch.empty(seq, tokens.shape[0], hidden)
+        dist.recv(received, parallel_state.get_pipeline_model_parallel_prev_rank())
+        received.requires_grad_(True)
+        model.module.set_input_tensor(received)
+    output = model(tokens, position_ids, mask, labels=labels if last else None)
+    loss = None
+    if last:
+        loss = output.float().mean()
+        if check_nan:
+            loss_check(loss)
+        (loss / count).backward()
+    else:
+        dist.send(output.detach(), parallel_state.get_pipeline_model_parallel_next_rank())
+        grad = torch.empty_like(output)
+        dist.recv(grad, parallel_state.get_pipeline_model_parallel_next_rank())
+        output.backward(grad)
+    if received is not None:
+        dist.send(received.grad, parallel_state.get_pipeline_model_parallel_prev_rank())
+    return None if loss is None else loss.detach()
