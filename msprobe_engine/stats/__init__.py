@@ -42,6 +42,15 @@ def merge(partials: np.ndarray, axis: int = 0) -> np.ndarray:
     return out
 
 
+def divide(partials, divisor: float):
+    """The partial rows of the same tensors divided by `divisor` > 0 (e.g. a loss scale).
+
+    In place; numpy arrays and torch tensors alike (plain slicing)."""
+    partials[..., P_MIN:P_SUM + 1] /= divisor
+    partials[..., P_SUMSQ] /= divisor * divisor
+    return partials
+
+
 def finalize(partials: np.ndarray) -> dict[str, np.ndarray]:
     """Turn partial rows ``[..., 8]`` into named statistics arrays."""
     p = np.asarray(partials, dtype=np.float64)
@@ -74,5 +83,5 @@ def reference_partial(values: np.ndarray) -> np.ndarray:
 
 
 __all__: Sequence[str] = (
-    "PARTIAL_COLUMNS", "STAT_NAMES", "DEFAULT_STATS", "merge", "finalize", "reference_partial",
+    "PARTIAL_COLUMNS", "STAT_NAMES", "DEFAULT_STATS", "merge", "divide", "finalize", "reference_partial",
 )
