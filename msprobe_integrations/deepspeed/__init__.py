@@ -1,0 +1,109 @@
+"""DeepSpeed: one line after `deepspeed.initialize`, nothing else changes in the loop.
+
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+    monitor = DeepSpeedMonitor(engine, config="configs/deepspeed/monitor.yaml")
+    for batch in data:
+        loss = engine(batch)
+        engine.backward(loss)     # the loss is reported from here
+        engine.step()             # gradients before, optimizer state after, then step_end
+    monitor.close()
+
+What is read, and where (ZeRO 0/1/2/3; fp32, bf16, fp16):
+- activations: forward hooks on `engine.module` (names without the engine prefix);
+  a micro-step is one forward of `engine.module`;
+- parameter gradients: once per optimizer step, at the accumulation boundary
+  before `engine.step()`, divided by the fp16 loss scale (before clipping);
+- fp32 parameters and optimizer state (exp_avg, exp_avg_sq): after the step.
+Each rank measures only its own pieces (ZeRO shards; ZeRO-0 replicas split
+between the ranks) and one all-gather per monitored step merges the partial
+statistics over the data-parallel group (`msprobe_integrations.deepspeed.merge`);
+no full parameter is gathered. Rank 0 writes the merged run; with
+`per_rank: true` every rank writes its own (its own loss and activations).
+
+DeepSpeed names relied on. Public: `DeepSpeedEngine.backward/step/
+is_gradient_accumulation_boundary/was_step_applied/managed_gradient_accumulation/
+zero_optimization_stage/fp16_enabled/global_steps/train_batch_size/module/optimizer/monitor`,
+`deepspeed.utils.safe_get_local_grad/safe_get_local_fp32_param/
+safe_get_local_optimizer_state` (ZeRO-3), ZeRO-3 parameter attributes `ds_numel`,
+`ds_process_group`, `partition_numel()`. Not public (checked against 0.19.8):
+`engine.seq_data_parallel_group` / `engine.data_parallel_group`, `engine.mpu`,
+`engine.device`, `optimizer.loss_scale`, `optimizer.optimizer` (the wrapped torch optimizer);
+ZeRO-1/2 and BF16_Optimizer: `param._hp_mapping` (`get_lp_grad_fragment`,
+`get_hp_fragment`, `lp_fragment_address`) and `param._index_in_param_group`, the
+links DeepSpeed's own `safe_get_full_*` helpers use; ZeRO-0 fp16/bf16
+(`FP16_UnfusedOptimizer`): `fp16_groups` / `fp32_groups`.
+
+Not supported: pipeline engines (`PipelineEngine`, an error), optimizer wrappers
+other than those above (a warning; activations and loss are still monitored).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from msprobe_engine.config import ConfigSource
+from msprobe_engine.monitor import Monitor
+
+__all__ = ["DeepSpeedMonitor"]
+
+
+class DeepSpeedMonitor(Monitor):
+    """A `Monitor` wired into a DeepSpeed engine (see the module docstring).
+
+    `engine_monitor=True` also sends every step's metrics through `engine.monitor`
+    (DeepSpeed's own TensorBoard/CSV/W&B monitor, when its config enables one), at
+    DeepSpeed's x-axis (samples).
+    """
+
+    def __init__(self, engine: Any, config: ConfigSource = None, *, engine_monitor: bool = False) -> None:
+        _check_engine(engine)
+        import torch.distributed as dist
+
+        from msprobe_engine.backends import torch_backend
+        from msprobe_engine.collect.torch_modules import ModuleHooks
+        from msprobe_integrations.deepspeed.hooks import EngineHooks
+        from msprobe_integrations.deepspeed.merge import RankMerge
+        from msprobe_integrations.deepspeed.shards import shard_reader
+
+        distributed = dist.is_initialized()
+        super().__init__(config, rank=dist.get_rank() if distributed else 0, backend=torch_backend)
+        self.engine = engine
+        self.step = engine.global_steps  # steps follow DeepSpeed's, also after a resume
+        self.active = self.config.schedule.is_monitored(self.step)
+        group = getattr(engine, "seq_data_parallel_group", None) or engine.data_parallel_group
+        if engine.mpu is not None:
+            self.warn("model parallelism is set: statistics are merged over the data-parallel group "
+                      "only; set per_rank: true to keep every model-parallel rank's records")
+        self.reducer = RankMerge(group, per_rank=self.config.per_rank)
+        reader = shard_reader(engine, dist.get_rank(group) if distributed else 0, self.reducer.world, self.warn)
+        self._attachments += [ModuleHooks(self, engine.module), EngineHooks(self, engine, reader)]
+        if engine_monitor:
+            self._send_to_engine_monitor()
+
+    def _send_to_engine_monitor(self) -> None:
+        engine = self.engine
+        if not engine.monitor.enabled:
+            self.warn("engine_monitor=True, but the DeepSpeed config enables none of its monitors "
+                      "(tensorboard, csv_monitor, wandb, comet): metrics go to our sinks only")
+            return
+        if self.rank != 0:
+            return
+
+        def send(record) -> None:
+            samples = (record.step + 1) * engine.train_batch_size()
+            events = [(tag, value, samples) for tag, value in record.metrics.items()]
+            self.writer.submit(lambda: engine.monitor.write_events(events), "DeepSpeed monitor write")
+
+        self.step_end_listeners.append(send)
+
+
+def _check_engine(engine: Any) -> None:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    if not isinstance(engine, DeepSpeedEngine):
+        raise TypeError("DeepSpeedMonitor: expected the engine returned by deepspeed.initialize "
+                        f"(a deepspeed.DeepSpeedEngine), got {type(engine).__module__}.{type(engine).__name__}; "
+                        "for a plain torch model use msprobe_integrations.torch.TorchMonitor")
+    if isinstance(engine, PipelineEngine):
+        raise NotImplementedError("DeepSpeedMonitor: pipeline-parallel engines (PipelineEngine, "
+                                  "engine.train_batch) are not supported yet; nothing would be monitored")

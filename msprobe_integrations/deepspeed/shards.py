@@ -1,0 +1,176 @@
+"""Where a DeepSpeed engine keeps this rank's pieces of gradients, fp32 parameters and optimizer state.
+
+A reader lists, for every trainable parameter (the same names in the same order
+on every data-parallel rank), the piece of the tensor this rank measures: its
+ZeRO shard, or, for tensors every rank holds whole (ZeRO-0), the whole tensor
+on the one rank that owns it and an empty tensor elsewhere. Merging the
+pieces' partial statistics across the ranks (min of mins, max of maxes, sums
+add) gives exactly the statistics of the full tensors, without gathering them.
+
+Gradients are read at the accumulation boundary before `engine.step()`, still
+multiplied by the fp16 loss scale; parameters and optimizer state after it.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+class ShardReader(ABC):
+    """The pieces of one engine's tensors that this rank measures, in `names` order."""
+
+    def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]], inner_optimizer,
+                 device: torch.device) -> None:
+        self.names = [name for name, _ in named_params]
+        self.params = [param for _, param in named_params]
+        self._inner = inner_optimizer
+        #: what this rank measures of a tensor it holds no piece of (statistics: the merge identity)
+        self.empty = torch.empty(0, device=device)
+
+    @abstractmethod
+    def grads(self) -> list[torch.Tensor]:
+        """Gradient pieces (at the accumulation boundary, before the step)."""
+
+    @abstractmethod
+    def masters(self) -> list[torch.Tensor]:
+        """fp32 (master) parameter pieces, as the optimizer updates them."""
+
+    @abstractmethod
+    def state(self, key: str) -> list[torch.Tensor]:
+        """Pieces of the optimizer state `key` (a torch.optim state name, e.g. exp_avg)."""
+
+    def state_keys(self) -> set[str]:
+        """Per-element optimizer states that exist now (none before the first applied step).
+
+        Read from the wrapped torch optimizer, whose state every rank holds for its
+        own partition, so the answer is the same on every rank."""
+        return {key for values in self._inner.state.values() for key, value in values.items()
+                if isinstance(value, torch.Tensor) and value.dim() > 0}
+
+
+class ReplicatedReader(ShardReader):
+    """ZeRO-0: every rank holds whole tensors; each parameter is measured by one owner rank.
+
+    `masters` maps a model parameter to the fp32 tensor the optimizer steps (itself for
+    an fp32 torch optimizer, the fp32 copy for DeepSpeed's fp16/bf16 wrapper)."""
+
+    def __init__(self, named_params, inner_optimizer, device, masters: dict[int, torch.Tensor],
+                 rank: int, world: int) -> None:
+        super().__init__(named_params, inner_optimizer, device)
+        owners = balanced_owners([p.numel() for p in self.params], world)
+        self._mine = [owner == rank for owner in owners]
+        self._masters = [masters.get(id(p)) for p in self.params]
+
+    def grads(self) -> list[torch.Tensor]:
+        return [p.grad if mine and p.grad is not None else self.empty for p, mine in zip(self.params, self._mine)]
+
+    def masters(self) -> list[torch.Tensor]:
+        return [m.detach() if mine and m is not None else self.empty for m, mine in zip(self._masters, self._mine)]
+
+    def state(self, key: str) -> list[torch.Tensor]:
+        state = self._inner.state
+        return [state[m].get(key, self.empty) if mine and m is not None and m in state else self.empty
+                for m, mine in zip(self._masters, self._mine)]
+
+
+class FragmentReader(ShardReader):
+    """ZeRO-1/2 (`DeepSpeedZeroOptimizer`) and `BF16_Optimizer`: each rank owns a contiguous
+    fragment of the flat fp32 partition; `param._hp_mapping` (None when this rank holds
+    nothing of the parameter) links a parameter to its fragment, as DeepSpeed's own
+    `safe_get_full_*` helpers do, minus their all-reduce."""
+
+    def grads(self) -> list[torch.Tensor]:
+        out = []
+        for p in self.params:
+            mapping = p._hp_mapping
+            if mapping is None:
+                out.append(self.empty)
+                continue
+            fragment = mapping.get_lp_grad_fragment(p._index_in_param_group).reshape(-1)
+            if fragment.numel() == p.numel():  # a full-size accumulation buffer (BF16_Optimizer)
+                address = mapping.lp_fragment_address
+                fragment = fragment.narrow(0, address.start, address.numel)
+            out.append(fragment)
+        return out
+
+    def masters(self) -> list[torch.Tensor]:
+        return [self.empty if p._hp_mapping is None else p._hp_mapping.get_hp_fragment() for p in self.params]
+
+    def state(self, key: str) -> list[torch.Tensor]:
+        return [self.empty if p._hp_mapping is None else p._hp_mapping.get_hp_fragment(key) for p in self.params]
+
+
+class Stage3Reader(ShardReader):
+    """ZeRO-3: DeepSpeed's public local accessors, cut to the parameter's real elements
+    (the last ranks' partitions are padded)."""
+
+    def __init__(self, named_params, inner_optimizer, device) -> None:
+        super().__init__(named_params, inner_optimizer, device)
+        self._valid = [_valid_numel(p) for p in self.params]
+
+    def grads(self) -> list[torch.Tensor]:
+        from deepspeed.utils import safe_get_local_grad
+        return self._cut(safe_get_local_grad(p) for p in self.params)
+
+    def masters(self) -> list[torch.Tensor]:
+        from deepspeed.utils import safe_get_local_fp32_param
+        return self._cut(safe_get_local_fp32_param(p) for p in self.params)
+
+    def state(self, key: str) -> list[torch.Tensor]:
+        from deepspeed.utils import safe_get_local_optimizer_state
+        return self._cut(safe_get_local_optimizer_state(p, key) for p in self.params)
+
+    def _cut(self, pieces: Iterable[torch.Tensor | None]) -> list[torch.Tensor]:
+        return [self.empty if t is None else t.reshape(-1)[:n] for t, n in zip(pieces, self._valid)]
+
+
+def _valid_numel(param: torch.nn.Parameter) -> int:
+    """How many of this rank's partition elements belong to the ZeRO-3 parameter."""
+    size = param.partition_numel()
+    start = dist.get_rank(group=param.ds_process_group) * size
+    return max(0, min(size, param.ds_numel - start))
+
+
+def balanced_owners(numels: Sequence[int], world: int) -> list[int]:
+    """Assign each tensor to a rank, largest first to the least loaded rank (deterministic)."""
+    load = [0] * world
+    owners = [0] * len(numels)
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        owners[i] = rank
+        load[rank] += numels[i]
+    return owners
+
+
+def shard_reader(engine, rank: int, world: int, warn: Callable[[str], None]) -> ShardReader | None:
+    """The reader for this engine's optimizer, or None (with a warning saying what is lost)."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    optimizer = engine.optimizer
+    stage = engine.zero_optimization_stage()
+    lost = "parameter gradients, parameters and optimizer state are not monitored (activations and loss are)"
+    if optimizer is None:
+        warn(f"the DeepSpeed engine has no optimizer: {lost}")
+        return None
+    named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+    inner = getattr(optimizer, "optimizer", optimizer)
+    device = engine.device
+    if stage == 3 and isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
+        return Stage3Reader(named, inner, device)
+    if isinstance(optimizer, BF16_Optimizer) or (stage in (1, 2)
+                                                  and isinstance(optimizer, DeepSpeedZeroOptimizer)):
+        return FragmentReader(named, inner, device)
+    if stage == 0 and isinstance(optimizer, FP16_UnfusedOptimizer):
+        masters = {id(lp): hp for lps, hps in zip(optimizer.fp16_groups, optimizer.fp32_groups)
+                   for lp, hp in zip(lps, hps)}
+        return ReplicatedReader(named, inner, device, masters, rank, world)
+    if stage == 0 and isinstance(optimizer, torch.optim.Optimizer):
+        return ReplicatedReader(named, inner, device, {id(p): p for _, p in named}, rank, world)
+    warn(f"ZeRO stage {stage} with optimizer {type(optimizer).__name__} is not understood by the "
+         f"DeepSpeed integration: {lost}")
+    return None

@@ -1,0 +1,260 @@
+"""DeepSpeed on CPU for tests/test_deepspeed.py: tiny engines, their training loop, and the references.
+
+Every rank of a launch trains several engines one after the other (ZeRO stage x dtype);
+each case returns plain data (metrics per step and the reference statistics read with
+DeepSpeed's own full-tensor accessors at the same points) for the test process to check.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from examples.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
+from msprobe_engine.stats import finalize, reference_partial
+
+MODEL = GPTConfig(vocab=64, dim=32, heads=2, layers=2, seq=16, batch=2)  # batch: one micro-batch of one rank
+GAS = 2
+STEPS = 3
+LR = 1e-2
+SUMMARY = ("min", "max", "mean", "norm", "numel")
+WATCH = {"module_outputs": True, "param_grads": True, "params": True, "optimizer_state": ["exp_avg", "exp_avg_sq"]}
+STATES = ("exp_avg", "exp_avg_sq")
+
+
+def monitor_config(out: str | Path, **overrides) -> dict:
+    return {"strict": True, "output_dir": str(out), "stats": [*SUMMARY, "nan_count", "inf_count"],
+            "sinks": ["tensorboard", "jsonl"], "watch": WATCH, **overrides}
+
+
+def ds_config(stage: int, dtype: str, **extra) -> dict:
+    """fp32, bf16, bf16-fp32acc (bf16 with fp32 gradient accumulation: BF16_Optimizer) or fp16."""
+    config = {"train_micro_batch_size_per_gpu": MODEL.batch, "gradient_accumulation_steps": GAS,
+              "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 6,
+              "gradient_clipping": 0.0}  # DeepSpeed clips at 1.0 by default; the plain reference does not
+    if dtype.startswith("bf16"):
+        config["bf16"] = {"enabled": True}
+    if dtype == "bf16-fp32acc":
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+    if dtype == "fp16":  # a loss scale far too high: the first steps overflow and are skipped
+        config["fp16"] = {"enabled": True, "initial_scale_power": 17, "hysteresis": 1, "loss_scale_window": 100}
+    return {**config, **extra}
+
+
+def new_model() -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(MODEL)
+
+
+def global_batches(world: int, steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One batch per optimizer step: every rank's micro-batches of that step together."""
+    cfg = GPTConfig(**{**MODEL.__dict__, "batch": world * GAS * MODEL.batch})
+    return list(synthetic_batches(cfg, steps, seed=3))
+
+
+def micro_batch(batch: tuple[torch.Tensor, torch.Tensor], micro: int, rank: int, world: int):
+    return tuple(t.chunk(world * GAS)[micro * world + rank] for t in batch)
+
+
+def summary(tensor: torch.Tensor) -> dict[str, float]:
+    """float64 numpy statistics of one whole tensor."""
+    values = tensor.detach().float().cpu().numpy().astype(np.float64)
+    stats = finalize(reference_partial(values))
+    return {k: float(stats[k]) for k in SUMMARY}
+
+
+def reference_metrics(world: int, out: Path, steps: int = STEPS) -> list[dict[str, float]]:
+    """The same model trained without DeepSpeed (one process, each step's whole batch at once)."""
+    from msprobe_integrations.torch import TorchMonitor
+
+    model = new_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    monitor = TorchMonitor(model, optimizer, monitor_config(out, sinks=[]))
+    for tokens, targets in global_batches(world, steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(tokens, targets)
+        loss.backward()
+        optimizer.step()
+        monitor.step_end(loss)
+    monitor.close()
+    return [record.metrics for record in monitor.history]
+
+
+def initial_gradient_norms(world: int, step: int) -> dict[str, float]:
+    """fp32 gradient norms of the initial model on the whole batch of `step` (no DeepSpeed)."""
+    model = new_model()
+    model(*global_batches(world, step + 1)[step]).backward()
+    return {n: float(p.grad.norm()) for n, p in model.named_parameters()}
+
+
+class Warnings(logging.Handler):
+    """Collects the monitor's warnings."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+        logging.getLogger("msprobe_engine").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+# ---- in a rank ----------------------------------------------------------------------------------
+def make_engine(stage: int, dtype: str, optimizer: Callable | None = torch.optim.AdamW, **extra):
+    import deepspeed
+
+    model = new_model()
+    opt = optimizer(model.parameters(), lr=LR) if optimizer is not None else None
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, dtype, **extra))
+    return engine
+
+
+def train(engine, rank: int, world: int, steps: int = STEPS, at_boundary: Callable | None = None,
+          after_step: Callable | None = None) -> None:
+    """DeepSpeed's usual loop; the callbacks read the references at the monitor's reading points."""
+    for batch in global_batches(world, steps):
+        for micro in range(GAS):
+            loss = engine(*micro_batch(batch, micro, rank, world))
+            engine.backward(loss)
+            if engine.is_gradient_accumulation_boundary() and at_boundary is not None:
+                at_boundary()
+            engine.step()
+        if after_step is not None:
+            after_step()
+
+
+def full_grads(engine) -> dict[str, dict]:
+    """Gradients from DeepSpeed's collective full-tensor accessor (ZeRO-0: `param.grad`)."""
+    from deepspeed.utils import safe_get_full_grad
+    return {n: summary(safe_get_full_grad(p)) for n, p in engine.module.named_parameters()}
+
+
+def full_state(engine) -> dict[str, dict]:
+    """fp32 parameters and optimizer state: `safe_get_full_*` for ZeRO 1-3, the optimizer's
+    `state_dict()` for ZeRO-0 (its states are in parameter order)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    named = list(engine.module.named_parameters())
+    out: dict[str, dict] = {}
+    if engine.zero_optimization_stage() > 0:
+        for n, p in named:
+            out[f"param/{n}"] = summary(safe_get_full_fp32_param(p))
+            for key in STATES:
+                out[f"optim/{n}/{key}"] = summary(safe_get_full_optimizer_state(p, key))
+        return out
+    saved = engine.optimizer.state_dict()
+    inner = saved.get("optimizer_state_dict", saved)
+    if "fp32_groups" in saved:  # FP16_UnfusedOptimizer (bf16/fp16)
+        masters = [t for group in saved["fp32_groups"] for t in group]
+    else:
+        masters = [p for _, p in named]
+    for i, (n, _) in enumerate(named):
+        out[f"param/{n}"] = summary(masters[i])
+        for key in STATES:
+            out[f"optim/{n}/{key}"] = summary(inner["state"][i][key])
+    return out
+
+
+def run_case(out: Path, rank: int, world: int, stage: int, dtype: str, config: dict | None = None,
+             engine_monitor: bool = False, **extra) -> dict:
+    """Train one engine with the monitor; return its records and the references."""
+    from msprobe_integrations.deepspeed import DeepSpeedMonitor
+
+    engine = make_engine(stage, dtype, **extra)
+    monitor = DeepSpeedMonitor(engine, config=config or monitor_config(out), engine_monitor=engine_monitor)
+    grads, states, scales = [], [], []
+
+    def at_boundary() -> None:
+        # fp16 gradients are checked against fp32 ones instead (tests/test_deepspeed.py)
+        scales.append(float(engine.optimizer.loss_scale) if dtype == "fp16" else 1.0)
+        grads.append(None if dtype == "fp16" else full_grads(engine))
+
+    train(engine, rank, world, steps=5 if dtype == "fp16" else STEPS, at_boundary=at_boundary,
+          after_step=lambda: states.append(full_state(engine) if engine.was_step_applied() else None))
+    monitor.close()
+    restored = "step" not in engine.__dict__ and "backward" not in engine.__dict__
+    return {"records": [{"step": r.step, "micro_steps": r.micro_steps, "metrics": r.metrics,
+                         "alerts": [a.as_dict() for a in r.alerts]} for r in monitor.history],
+            "grads": grads, "states": states, "scales": scales, "transfers": monitor.transfers,
+            "optimizer": type(engine.optimizer).__name__, "restored": restored}
+
+
+# ---- one launch: every case, one engine after the other ---------------------------------------------
+CASES = [(stage, dtype) for dtype in ("fp32", "bf16") for stage in (0, 1, 2, 3)]
+
+
+def run_launch(rank: int, world: int, out: str) -> dict:
+    """Run in each rank by `tests.multiproc.run_ranks`: every case of CASES, then the extras."""
+    from examples.deepspeed_train import init_distributed
+
+    init_distributed()
+    root = Path(out)
+    results = {f"zero{s}-{d}": run_case(root / f"zero{s}-{d}", rank, world, s, d) for s, d in CASES}
+    if world == 1:
+        results["bad input"] = bad_input(root / "bad")
+        enable_fp16_on_cpu()
+        for stage in (0, 3):
+            results[f"zero{stage}-fp16"] = run_case(root / f"zero{stage}-fp16", rank, world, stage, "fp16")
+        return results
+    results["zero1-bf16-fp32acc"] = run_case(root / "zero1-bf16-fp32acc", rank, world, 1, "bf16-fp32acc")
+    per_rank = root / "per-rank"
+    results["per-rank"] = run_case(
+        per_rank, rank, world, 1, "fp32", config=monitor_config(per_rank, per_rank=True), engine_monitor=True,
+        tensorboard={"enabled": True, "job_name": "ds", "output_path": str(per_rank / "deepspeed")})
+    results["different modules"] = different_modules(root / "different-modules", rank, world)
+    enable_fp16_on_cpu()
+    results["zero2-fp16"] = run_case(root / "zero2-fp16", rank, world, 2, "fp16")
+    return results
+
+
+def enable_fp16_on_cpu() -> None:
+    """DeepSpeed refuses fp16 on a CPU without fp16 kernels; torch computes it anyway (slowly).
+    Only this capability check is lifted: loss scaling and overflow skipping run for real."""
+    from deepspeed.accelerator import get_accelerator
+    get_accelerator().is_fp16_supported = lambda: True
+
+
+def bad_input(out: Path) -> dict[str, str]:
+    """Engines the integration can only partly monitor: what it says about them."""
+    import deepspeed
+
+    from msprobe_integrations.deepspeed import DeepSpeedMonitor
+
+    said = {}
+    caught = Warnings()
+    engine = make_engine(0, "fp32", optimizer=None)
+    DeepSpeedMonitor(engine, config=monitor_config(out / "none")).close()
+    said["no optimizer"] = "\n".join(caught.messages)
+    caught.messages.clear()
+    engine = make_engine(0, "fp32", optimizer=torch.optim.SGD)
+    monitor = DeepSpeedMonitor(engine, config=monitor_config(out / "sgd"), engine_monitor=True)
+    train(engine, 0, 1, steps=1)
+    monitor.close()
+    said["sgd"] = "\n".join(caught.messages)
+    pipe = deepspeed.pipe.PipelineModule(layers=[torch.nn.Linear(4, 4)], num_stages=1,
+                                         loss_fn=torch.nn.functional.mse_loss)
+    engine, *_ = deepspeed.initialize(model=pipe, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1),
+                                      config=ds_config(0, "fp32"))
+    try:
+        DeepSpeedMonitor(engine, config=monitor_config(out / "pipe"))
+    except NotImplementedError as exc:
+        said["pipeline"] = str(exc)
+    return said
+
+
+def different_modules(out: Path, rank: int, world: int) -> str:
+    """Each rank watches another module (as many rows, other keys): the merge must refuse."""
+    from msprobe_integrations.deepspeed import DeepSpeedMonitor
+
+    engine = make_engine(0, "fp32")
+    monitor = DeepSpeedMonitor(engine, config=monitor_config(out, modules={"names": [f"layers.{rank}.mlp"]}))
+    try:
+        train(engine, rank, world, steps=1)
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        monitor.close()
+    return "merged without complaint"
