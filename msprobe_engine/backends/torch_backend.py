@@ -1,24 +1,33 @@
 """Batched partial statistics of many torch tensors, on their own device.
 
-Small tensors are grouped by size class (lengths within a factor of two),
+Small tensors are grouped by size class (lengths within a factor of two) and dtype,
 padded into one matrix per class and reduced along its rows: about a dozen
-kernel launches per class for all of them. Large tensors are reduced one by
-one with torch's vectorised reductions, whose per-call overhead is small next
-to their size. Floating-point tensors are accumulated in float32
-(bf16/fp16/fp32; the sum of squares per chunk of NORM_CHUNK elements, the
-chunks in float64) or float64 (float64); large tensors are never copied to
-float64. Small ones and integer/bool tensors are converted to float64.
+kernel launches per class for all of them. Large tensors (and small ones
+without enough company) are reduced one by one with torch's vectorised
+reductions, whose per-call overhead is small next to their size; each leaves
+a few 0-dim results (min/max, sum, the float64 norm of its chunk norms,
+counts) that are packed into rows by a dozen batched ops. Floating-point
+tensors are accumulated in float32 (bf16/fp16/fp32; the sum of squares per
+chunk of NORM_CHUNK elements, the chunks in float64) or float64 (float64);
+large tensors are never copied to float64. Small ones and integer/bool
+tensors are converted to float64.
+
+Packing can wait: `partial_stats(..., deferred=True)` reduces at once (a
+tensor may change in place afterwards) but returns a `Pending` block, and
+`concat` packs the 0-dim results of all of a step's pending blocks together,
+so a hook that measures one or two tensors pays for their reductions only.
 
 nan/inf counting costs two extra passes over the data. On CPU tensors, where
 reading a scalar stalls no device queue, the counts are taken only when the
-sum of squares is not finite (a finite sum of squares proves there is no nan
-or inf); on accelerators they are always counted on the device, with no
-host synchronisation. The zero count (for `zero_frac`) is only taken on request.
+norm is not finite (a finite norm proves there is no nan or inf); on
+accelerators they are always counted on the device, with no host
+synchronisation. The zero count (for `zero_frac`) is only taken on request.
 """
 from __future__ import annotations
 
+import functools
 import math
-from typing import Sequence
+from typing import Sequence, Union
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -38,83 +47,126 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16, torch.float32)
 _UNKNOWN = float("nan")
 
 
-def partial_stats(tensors: Sequence[torch.Tensor], count_zeros: bool = False) -> torch.Tensor:
+class Pending:
+    """Statistics of a batch of tensors, reduced but not yet packed into rows (`concat` packs).
+
+    For each tensor of the per-tensor path: its position in the batch, its 0-dim results
+    (`extremes`: min and max; `sums`; `norms`, float64; `counts`, int64: nan, inf and
+    nonzero counts, the last -1 when not taken) and its length. `blocks`: the rows packed
+    by the other paths, with their positions."""
+    __slots__ = ("size", "device", "positions", "extremes", "sums", "norms", "counts", "numels", "blocks")
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        self.size = size
+        self.device = device
+        self.positions: list[int] = []
+        self.extremes: list[torch.Tensor] = []
+        self.sums: list[torch.Tensor] = []
+        self.norms: list[torch.Tensor] = []
+        self.counts: list[torch.Tensor] = []
+        self.numels: list[float] = []
+        self.blocks: list[tuple[list[int], torch.Tensor]] = []
+
+    def __len__(self) -> int:
+        return self.size
+
+    def absorb(self, other: "Pending") -> None:
+        """Append `other`'s rows after this block's."""
+        offset = self.size
+        self.positions += [offset + pos for pos in other.positions]
+        self.extremes += other.extremes
+        self.sums += other.sums
+        self.norms += other.norms
+        self.counts += other.counts
+        self.numels += other.numels
+        self.blocks += [([offset + pos for pos in positions], rows) for positions, rows in other.blocks]
+        self.size += other.size
+
+    def add_rows(self, rows: torch.Tensor) -> None:
+        """Append rows already packed."""
+        self.blocks.append((list(range(self.size, self.size + len(rows))), rows))
+        self.size += len(rows)
+
+
+Rows = Union[torch.Tensor, Pending]
+
+
+def partial_stats(tensors: Sequence[torch.Tensor], count_zeros: bool = False, deferred: bool = False) -> Rows:
     """Return a ``[len(tensors), 8]`` float64 tensor of partial statistics.
 
     Columns follow `msprobe_engine.stats.PARTIAL_COLUMNS`; the zero count is nan
     unless `count_zeros`. The result lives on the device of the first tensor;
-    nothing is transferred to the host.
+    nothing is transferred to the host. `deferred`: return a `Pending` block
+    instead (reduced, not packed), for `concat` to pack with the step's others.
     """
-    if not tensors:
-        return torch.empty((0, 8), dtype=torch.float64)
-    device = tensors[0].device
-    pieces: list[torch.Tensor] = []
-    order: list[int] = []
+    device = tensors[0].device if tensors else torch.device("cpu")
+    pending = Pending(len(tensors), device)
     groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
+    reduced: dict[int, int] = {}  # id of a tensor given more than once (x, x, x) -> its first row
     for pos, tensor in enumerate(tensors):
         flat = tensor.detach().reshape(-1)
         numel = flat.numel()
-        if numel == 0:
-            key: tuple = ("empty",)
-        elif numel <= SMALL_NUMEL:
-            key = ("small", numel.bit_length(), flat.device)
+        if numel > SMALL_NUMEL:
+            first = reduced.setdefault(id(tensor), len(pending.positions))
+            if first < len(pending.positions):
+                _repeat(pending, pos, first)
+            else:
+                _reduce(pending, pos, flat, count_zeros)
         else:
-            key = ("large", flat.device)
-        groups.setdefault(key, []).append((pos, flat))
-    for key in [k for k, members in groups.items() if k[0] == "small" and len(members) < MIN_BATCH]:
-        groups.setdefault(("large", key[2]), []).extend(groups.pop(key))
+            key = ("empty",) if numel == 0 else ("small", numel.bit_length(), flat.dtype, flat.device)
+            groups.setdefault(key, []).append((pos, flat))
     for key, members in groups.items():
-        flats = [flat for _, flat in members]
+        positions = [pos for pos, _ in members]
         if key[0] == "empty":
-            rows = _empty_rows(len(flats), device)
-        elif key[0] == "small":
-            rows = _small_rows(flats, count_zeros)
+            pending.blocks.append((positions, _empty_rows(len(members), device)))
+        elif len(members) >= MIN_BATCH:
+            pending.blocks.append((positions, _small_rows([flat for _, flat in members], count_zeros)))
         else:
-            rows = _large_rows(flats, count_zeros)
-        pieces.append(rows.to(device))
-        order.extend(pos for pos, _ in members)
-    rows = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-    if order == list(range(len(tensors))):
-        return rows
-    inverse = torch.empty(len(order), dtype=torch.long)
-    inverse[torch.tensor(order)] = torch.arange(len(order))
-    return rows.index_select(0, inverse.to(device))
+            for pos, flat in members:
+                _reduce(pending, pos, flat, count_zeros)
+    return pending if deferred else concat([pending])
+
+
+def _reduce(pending: Pending, pos: int, flat: torch.Tensor, count_zeros: bool) -> None:
+    """The per-tensor path: four reductions (min/max, sum, chunked norms, their float64 norm)
+    and the counts that are needed, kept as 0-dim results in `pending`."""
+    if flat.dtype not in _LOW_PRECISION:
+        flat = flat.to(torch.float64)
+    acc = torch.float32 if flat.dtype in _LOW_PRECISION else torch.float64
+    norm = torch.linalg.vector_norm(_chunk_norms(flat, acc), dtype=torch.float64)
+    zero, not_taken = _constants(flat.device)
+    if flat.device.type != "cpu" or not math.isfinite(norm):
+        pending.counts += [torch.isnan(flat).sum(), torch.isinf(flat).sum()]
+    else:
+        pending.counts += [zero, zero]
+    pending.counts.append(torch.count_nonzero(flat) if count_zeros else not_taken)
+    pending.positions.append(pos)
+    pending.extremes += torch.aminmax(flat)
+    pending.sums.append(flat.sum(dtype=acc))
+    pending.norms.append(norm)
+    pending.numels.append(float(flat.numel()))
+
+
+def _repeat(pending: Pending, pos: int, first: int) -> None:
+    """Row `pos` is the same tensor as the `first` row of the per-tensor path."""
+    pending.positions.append(pos)
+    pending.extremes += pending.extremes[2 * first:2 * first + 2]
+    pending.sums.append(pending.sums[first])
+    pending.norms.append(pending.norms[first])
+    pending.counts += pending.counts[3 * first:3 * first + 3]
+    pending.numels.append(pending.numels[first])
+
+
+@functools.lru_cache(maxsize=None)
+def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """0-dim int64 tensors on `device`: a zero count, and -1 for a count not taken."""
+    return (torch.zeros((), dtype=torch.int64, device=device),
+            torch.full((), -1, dtype=torch.int64, device=device))
 
 
 def _empty_rows(count: int, device: torch.device) -> torch.Tensor:
     inf = float("inf")
     return torch.tensor([[inf, -inf, 0, 0, 0, 0, 0, 0]] * count, dtype=torch.float64, device=device)
-
-
-def _large_rows(flats: list[torch.Tensor], count_zeros: bool) -> torch.Tensor:
-    """Four reductions per tensor (min/max, sum, chunked norms, their float64 norm);
-    the per-tensor scalars are then assembled with a handful of batched ops."""
-    scalars, norms = [], []
-    for i, flat in enumerate(flats):
-        if flat.dtype not in _LOW_PRECISION:
-            flat = flats[i] = flat.to(torch.float64)
-        acc = torch.float32 if flat.dtype in _LOW_PRECISION else torch.float64
-        low, high = torch.aminmax(flat)
-        scalars += [low.to(acc), high.to(acc), flat.sum(dtype=acc)]
-        norms.append(torch.linalg.vector_norm(_chunk_norms(flat, acc), dtype=torch.float64))
-    count = len(flats)
-    low_high_sum = (torch.stack(scalars) if _same_dtype(scalars) else
-                    torch.stack([s.to(torch.float64) for s in scalars])).to(torch.float64).view(count, 3)
-    sumsq = torch.stack(norms).square()
-    nans, infs = _non_finite_counts(flats, sumsq)
-    numel = [float(f.numel()) for f in flats]
-    if count_zeros:
-        zeros = torch.tensor(numel, dtype=torch.float64, device=sumsq.device) - torch.stack(
-            [torch.count_nonzero(f) for f in flats]).to(torch.float64)
-    else:
-        zeros = torch.full_like(sumsq, _UNKNOWN)
-    tail = torch.tensor(numel, dtype=torch.float64, device=sumsq.device).unsqueeze(1)
-    return torch.cat([low_high_sum, sumsq.unsqueeze(1), nans.unsqueeze(1), infs.unsqueeze(1),
-                      zeros.unsqueeze(1), tail], dim=1)
-
-
-def _same_dtype(scalars: list[torch.Tensor]) -> bool:
-    return all(s.dtype == scalars[0].dtype for s in scalars)
 
 
 def _chunk_norms(flat: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
@@ -126,18 +178,6 @@ def _chunk_norms(flat: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     if head == flat.numel():
         return chunks
     return torch.cat([chunks, torch.linalg.vector_norm(flat[head:], dtype=acc).unsqueeze(0)])
-
-
-def _non_finite_counts(flats: list[torch.Tensor], sumsq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """nan and inf counts per tensor; on CPU only for the tensors whose sum of squares is not finite."""
-    if sumsq.device.type == "cpu":
-        nans, infs = torch.zeros_like(sumsq), torch.zeros_like(sumsq)
-        for i in torch.nonzero(~torch.isfinite(sumsq)).flatten().tolist():
-            nans[i], infs[i] = torch.isnan(flats[i]).sum(), torch.isinf(flats[i]).sum()
-        return nans, infs
-    nans = torch.stack([torch.isnan(f).sum() for f in flats]).to(torch.float64)
-    infs = torch.stack([torch.isinf(f).sum() for f in flats]).to(torch.float64)
-    return nans, infs
 
 
 def _small_rows(flats: list[torch.Tensor], count_zeros: bool) -> torch.Tensor:
@@ -162,15 +202,56 @@ def _small_rows(flats: list[torch.Tensor], count_zeros: bool) -> torch.Tensor:
     ], dim=1)
 
 
+def _pack(pending: Pending) -> torch.Tensor:
+    """The rows of the per-tensor path, from its 0-dim results, in a dozen batched ops."""
+    low_high = _stack_f64(pending.extremes).view(-1, 2)
+    counts = torch.stack(pending.counts).view(-1, 3).to(torch.float64)
+    numel = torch.tensor(pending.numels, dtype=torch.float64, device=counts.device)
+    nonzero = counts[:, 2]
+    zeros = torch.where(nonzero < 0, _UNKNOWN, numel - nonzero)
+    return torch.stack([low_high[:, 0], low_high[:, 1], _stack_f64(pending.sums),
+                        torch.stack(pending.norms).square(), counts[:, 0], counts[:, 1], zeros, numel], dim=1)
+
+
+def _stack_f64(values: list[torch.Tensor]) -> torch.Tensor:
+    """0-dim tensors of any dtypes as one float64 vector (one stack per dtype)."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, value in enumerate(values):
+        by_dtype.setdefault(value.dtype, []).append(i)
+    if len(by_dtype) == 1:
+        return torch.stack(values).to(torch.float64)
+    out = torch.empty(len(values), dtype=torch.float64, device=values[0].device)
+    for members in by_dtype.values():
+        out[members] = torch.stack([values[i] for i in members]).to(torch.float64)
+    return out
+
+
 def to_host(rows: torch.Tensor):
     """The single device-to-host copy of a step's packed statistics (numpy float64)."""
     return rows.detach().to("cpu", torch.float64).numpy()
 
 
-def concat(rows: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Pack the step's row blocks into one tensor (on the first block's device)."""
-    device = rows[0].device
-    return torch.cat([r.to(device) for r in rows])
+def concat(rows: Sequence[Rows]) -> torch.Tensor:
+    """Pack the step's row blocks (tensors or `Pending` blocks) into one tensor, on the first
+    block's device; the per-tensor results of all the pending blocks are packed together."""
+    device = rows[0].device if rows else torch.device("cpu")
+    merged = Pending(0, device)
+    for block in rows:
+        if isinstance(block, Pending):
+            merged.absorb(block)
+        else:
+            merged.add_rows(block)
+    pieces = [(merged.positions, _pack(merged))] if merged.positions else []
+    pieces += merged.blocks
+    if not pieces:
+        return torch.empty((0, 8), dtype=torch.float64, device=device)
+    packed = torch.cat([rows.to(device) for _, rows in pieces])
+    order = [pos for positions, _ in pieces for pos in positions]
+    if order == list(range(len(order))):
+        return packed
+    inverse = torch.empty(len(order), dtype=torch.long)
+    inverse[torch.tensor(order)] = torch.arange(len(order))
+    return packed.index_select(0, inverse.to(device))
 
 
 def scalar(value: float) -> torch.Tensor:
