@@ -76,6 +76,7 @@ class Monitor:
         self.decide_early = any(r.action != "continue" for r in self.config.alerts)
         self._pending: list[tuple[int, list[MetricKey], Any]] = []
         self._early: dict[int, tuple[StatTable, list[AlertEvent]]] = {}
+        self._early_micro_steps: dict[int, int] = {}  # an early-decided step's micro-steps, for its record
         self._optimizer_done = False
         self._attachments: list = []
         self._warned: set[str] = set()
@@ -130,9 +131,10 @@ class Monitor:
         """Measure `tensors` (named by `keys`) on their device; no host transfer. `divisor` (> 0,
         e.g. an fp16 loss scale still in the gradients) divides every value, exactly."""
         if self.active and tensors:
-            rows = self.backend.partial_stats(tensors, count_zeros=self._count_zeros)
-            if divisor != 1.0:
-                rows = divide(rows, divisor)
+            if divisor == 1.0:  # packed into rows with the step's others, at the transfer
+                rows = self.backend.partial_stats(tensors, count_zeros=self._count_zeros, deferred=True)
+            else:
+                rows = divide(self.backend.partial_stats(tensors, count_zeros=self._count_zeros), divisor)
             self._pending.append((self.step, list(keys), rows))
             if self.incidents is not None:
                 self.tensor_meta.update(zip(keys, map(_tensor_meta, tensors)))
@@ -146,7 +148,7 @@ class Monitor:
             if len(keep) == len(keys):
                 kept.append((step, keys, rows))
             elif keep:
-                kept.append((step, [keys[i] for i in keep], rows[keep]))
+                kept.append((step, [keys[i] for i in keep], self.backend.concat([rows])[keep]))
         self._pending = kept
 
     def report_loss(self, loss: Any) -> None:
@@ -157,12 +159,15 @@ class Monitor:
             loss = self.backend.scalar(float(loss))
         self.add_tensors([MetricKey("train", "loss")], [loss])
 
-    def before_optimizer_step(self) -> StepDecision:
+    def before_optimizer_step(self, screen: Callable[[StatTable], StatTable] | None = None) -> StepDecision:
         """At the accumulation boundary, once the gradients are final. When a rule's action needs
         a decision before the weights change (skip/stop), or the step runs through `run_step`,
         the step's statistics are transferred and evaluated here. The integration skips the
         optimizer step when the returned decision says `skip` (always during a replay). A firing
-        `stop` rule makes this flush every writer and raise `TrainingStopped`."""
+        `stop` rule makes this flush every writer and raise `TrainingStopped`. `screen`, when
+        given, gets the step's (reduced) table before the rules and returns the table the rules
+        and the record see (e.g. without the gradients of an fp16 overflow step, which the
+        framework skips by itself)."""
         if self._replaying:
             return StepDecision(replaying=True)
         if not (self.active and (self.decide_early or self._step_call is not None)):
@@ -171,11 +176,14 @@ class Monitor:
         with self.guard("pre-step evaluation"):
             tables = self._transfer()
             table = tables.pop(self.step)
+            if screen is not None:
+                table = screen(table)
             firing = self._evaluate(table)
             events = self._tracker.update(self.step, firing, scope="pre:")
             # what an earlier step showed after its optimizer step can only stop the run now
             firing += [f for f in self._emit_late(tables) if f.action == "stop"]
             self._early[self.step] = (table, events)
+            self._early_micro_steps[self.step] = self.micro_steps
             decision = StepDecision(tuple(firing))
             made = self._start_incidents(self.step, table, table, events, firing)
             if made:
@@ -407,7 +415,8 @@ class Monitor:
                     metrics[f"optim/{key.path}/ratio"] = float(stats["norm"][i] / param_norm[key.path])
 
     def _emit(self, step: int, table: StatTable, events: list[AlertEvent]) -> StepRecord:
-        record = StepRecord(step=step, rank=self.rank, micro_steps=self.micro_steps,
+        micro_steps = self._early_micro_steps.pop(step, self.micro_steps)
+        record = StepRecord(step=step, rank=self.rank, micro_steps=micro_steps,
                             metrics=self._metrics(table), alerts=events, wall_time=time.time())
         for event in events:
             log.warning("msprobe alert %s %s at step %d: %s = %s%s", event.rule, event.phase, event.step,

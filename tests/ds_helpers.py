@@ -6,6 +6,7 @@ DeepSpeed's own full-tensor accessors at the same points) for the test process t
 """
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Callable
@@ -179,6 +180,7 @@ def run_case(out: Path, rank: int, world: int, stage: int, dtype: str, config: d
     return {"records": [{"step": r.step, "micro_steps": r.micro_steps, "metrics": r.metrics,
                          "alerts": [a.as_dict() for a in r.alerts]} for r in monitor.history],
             "grads": grads, "states": states, "scales": scales, "transfers": monitor.transfers,
+            "decides_early": monitor.decide_early, "incidents": _incidents(out, rank),
             "optimizer": type(engine.optimizer).__name__, "restored": restored}
 
 
@@ -194,10 +196,15 @@ def run_launch(rank: int, world: int, out: str) -> dict:
     root = Path(out)
     results = {f"zero{s}-{d}": run_case(root / f"zero{s}-{d}", rank, world, s, d) for s, d in CASES}
     if world == 1:
+        for stage, dtype in ACTION_CASES:
+            results[f"skip-zero{stage}-{dtype}"] = action_case(root / f"skip-zero{stage}-{dtype}", rank, world,
+                                                               stage, dtype)
+        results["stop-zero0"] = stop_case(root / "stop-zero0", rank, world, 0)
         results["bad input"] = bad_input(root / "bad")
         enable_fp16_on_cpu()
-        for stage in (0, 3):
-            results[f"zero{stage}-fp16"] = run_case(root / f"zero{stage}-fp16", rank, world, stage, "fp16")
+        results["zero0-fp16"] = run_case(root / "zero0-fp16", rank, world, 0, "fp16")
+        results["zero3-fp16"] = run_case(root / "zero3-fp16", rank, world, 3, "fp16", config=fp16_stop_config(
+            root / "zero3-fp16"))
         return results
     results["zero1-bf16-fp32acc"] = run_case(root / "zero1-bf16-fp32acc", rank, world, 1, "bf16-fp32acc")
     per_rank = root / "per-rank"
@@ -205,9 +212,23 @@ def run_launch(rank: int, world: int, out: str) -> dict:
         per_rank, rank, world, 1, "fp32", config=monitor_config(per_rank, per_rank=True), engine_monitor=True,
         tensorboard={"enabled": True, "job_name": "ds", "output_path": str(per_rank / "deepspeed")})
     results["different modules"] = different_modules(root / "different-modules", rank, world)
+    results["skip-zero2-fp32"] = action_case(root / "skip-zero2-fp32", rank, world, 2, "fp32")
+    results["stop-zero2-per-rank"] = stop_case(root / "stop-zero2-per-rank", rank, world, 2, per_rank=True)
     enable_fp16_on_cpu()
-    results["zero2-fp16"] = run_case(root / "zero2-fp16", rank, world, 2, "fp16")
+    results["zero2-fp16"] = run_case(root / "zero2-fp16", rank, world, 2, "fp16",
+                                     config=fp16_stop_config(root / "zero2-fp16"))
     return results
+
+
+#: world 1: the skip action on every ZeRO stage (fp32) and on one bf16 stage
+ACTION_CASES = [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16")]
+
+
+def fp16_stop_config(out: Path) -> dict:
+    """fp16 under a stop rule on every loss-scaled kind: routine overflows must not fire it."""
+    return monitor_config(out, watch={**WATCH, "activation_grads": True},
+                          alerts=[{"rule": "non_finite", "targets": ["loss", "actv", "actv_grad", "grad"],
+                                   "action": "stop"}])
 
 
 def enable_fp16_on_cpu() -> None:
@@ -258,3 +279,126 @@ def different_modules(out: Path, rank: int, world: int) -> str:
     finally:
         monitor.close()
     return "merged without complaint"
+
+
+# ---- actions: skip and stop, incidents --------------------------------------------------------------
+ACTION_STEPS = 5
+SPIKE_AT, NAN_AT = 1, 3  # steps 0, 2 and 4 are normal
+STOP_AT = 1
+CULPRIT = "layers.1.mlp.0"
+WARMUP_LR = {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": LR / 2, "warmup_max_lr": LR,
+                                                             "warmup_type": "linear",
+                                                             "warmup_num_steps": 100}}}
+SNAPSHOT = ("weights", "masters", "exp_avg", "exp_avg_sq", "step", "lr")
+
+
+def action_config(out: Path, action: str = "skip", targets=("loss", "actv", "grad"), **overrides) -> dict:
+    """A x1000 spike of CULPRIT's output fires the spike rule (gradients stay finite, so only our
+    skip keeps DeepSpeed from applying the step); a nan fires non_finite."""
+    rules = [{"rule": "spike", "metrics": [f"actv/{CULPRIT}/output/norm"], "factor": 3.0, "warmup": 1,
+              "action": "skip"},
+             {"rule": "non_finite", "targets": list(targets), "action": action}]
+    return monitor_config(out, alerts=rules, **overrides)
+
+
+def inject_at(engine, rank: int, faults: dict[int, str], ranks=None):
+    """CULPRIT's output turns bad at the given steps ({step: 'spike' | 'nan'}), on `ranks` (all)."""
+    module = engine.module.get_submodule(CULPRIT)
+
+    def corrupt(mod, args, output):
+        kind = faults.get(engine.global_steps)
+        if kind is None or (ranks is not None and rank not in ranks):
+            return None
+        if kind == "spike":
+            return output * 1000.0
+        bad = output.clone()
+        bad.view(-1)[0] = float("nan")
+        return bad
+
+    return module.register_forward_hook(corrupt)  # before the monitor's hooks: they see the bad output
+
+
+def snapshot(engine) -> dict[str, list[torch.Tensor]]:
+    """Copies of everything an optimizer step changes: model weights (this rank's ZeRO-3 partition),
+    full fp32 masters and Adam moments, the torch optimizer's step counts, the lr and the schedule."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    named = list(engine.module.named_parameters())
+    stage = engine.zero_optimization_stage()
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    out = {"weights": [(p.ds_tensor if stage == 3 else p).detach().clone() for _, p in named]}
+    if stage > 0:
+        out["masters"] = [safe_get_full_fp32_param(p).clone() for _, p in named]
+        for key in STATES:
+            out[key] = [safe_get_full_optimizer_state(p, key).clone() for _, p in named]
+    else:
+        masters = getattr(engine.optimizer, "fp32_groups", None)
+        masters = [t for g in masters for t in g] if masters is not None else [p for _, p in named]
+        out["masters"] = [m.detach().clone() for m in masters]
+        for key in STATES:
+            out[key] = [inner.state[m][key].clone() for m in masters]
+    out["step"] = [torch.as_tensor(s["step"], dtype=torch.float64).clone() for s in inner.state.values()]
+    out["lr"] = [torch.tensor([g["lr"] for g in inner.param_groups], dtype=torch.float64),
+                 torch.tensor([float(engine.lr_scheduler.last_batch_iteration)])]
+    return out
+
+
+def changes(before: dict, after: dict) -> dict[str, bool]:
+    """Which parts of the snapshot changed (bitwise), and whether all of it is finite."""
+    out = {k: not all(torch.equal(a, b) for a, b in zip(before[k], after[k], strict=True)) for k in SNAPSHOT}
+    out["finite"] = all(bool(torch.isfinite(t.float()).all()) for k in SNAPSHOT for t in after[k])
+    return out
+
+
+def action_case(out: Path, rank: int, world: int, stage: int, dtype: str) -> dict:
+    """Steps 0-4 with a spike at SPIKE_AT and a nan at NAN_AT (rank 0 only), both skipped: what
+    each step changed, the records and the incidents written."""
+    from msprobe_integrations.deepspeed import DeepSpeedMonitor
+
+    engine = make_engine(stage, dtype, **WARMUP_LR)
+    handle = inject_at(engine, rank, {SPIKE_AT: "spike", NAN_AT: "nan"}, ranks=[0])
+    monitor = DeepSpeedMonitor(engine, config=action_config(out))
+    snapshots = []
+    train(engine, rank, world, steps=ACTION_STEPS, after_step=lambda: snapshots.append(snapshot(engine)))
+    monitor.close()
+    handle.remove()
+    return {"changes": [changes(a, b) for a, b in zip(snapshots, snapshots[1:])],
+            "records": _records(monitor), "incidents": _incidents(out, rank)}
+
+
+def stop_case(out: Path, rank: int, world: int, stage: int, per_rank: bool = False) -> dict:
+    """A nan at STOP_AT on rank 0 only with a `stop` rule on activations: TrainingStopped out of
+    engine.step() on every rank (per_rank: rank 1's own activations are clean), the weights as
+    before the step; what is on disk when it is caught, before monitor.close()."""
+    from msprobe_engine.incident import TrainingStopped
+    from msprobe_integrations.deepspeed import DeepSpeedMonitor
+
+    engine = make_engine(stage, "fp32", **WARMUP_LR)
+    handle = inject_at(engine, rank, {STOP_AT: "nan"}, ranks=[0])
+    monitor = DeepSpeedMonitor(engine, config=action_config(out, "stop", targets=["actv"], per_rank=per_rank))
+    snapshots = []
+    stopped = None
+    try:
+        train(engine, rank, world, steps=ACTION_STEPS, after_step=lambda: snapshots.append(snapshot(engine)))
+    except TrainingStopped as exc:
+        stopped = {"step": exc.step, "rules": exc.rules, "incidents": [str(d) for d in exc.incidents]}
+    unchanged = not any(changes(snapshots[-1], snapshot(engine))[k] for k in SNAPSHOT)
+    jsonl = out / f"rank{rank}" / "metrics.jsonl"
+    on_disk = [json.loads(line)["step"] for line in jsonl.read_text().splitlines()] if jsonl.exists() else []
+    incidents = _incidents(out, rank)
+    monitor.close()
+    handle.remove()
+    return {"stopped": stopped, "unchanged": unchanged, "steps_done": len(snapshots), "on_disk": on_disk,
+            "incidents": incidents}
+
+
+def _records(monitor) -> list[dict]:
+    return [{"step": r.step, "metrics": r.metrics, "alerts": [a.as_dict() for a in r.alerts]}
+            for r in monitor.history]
+
+
+def _incidents(out: Path, rank: int) -> dict[str, dict]:
+    """incident directory name -> incident.json, this rank's."""
+    root = out / "incidents"
+    return {d.name: json.loads((d / "incident.json").read_text())
+            for d in sorted(root.glob(f"*-rank{rank}-*")) if (d / "incident.json").is_file()}

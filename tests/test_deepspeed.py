@@ -1,8 +1,9 @@
 """DeepSpeed integration, with real DeepSpeed 0.19.8 on the CPU (gloo), 1 and 2 ranks.
 
 One launch per world size trains every case (ZeRO 0-3 x fp32/bf16, plus BF16_Optimizer,
-fp16 with overflow-skipped steps, per-rank records with DeepSpeed's own monitor) one engine
-after the other (tests/ds_helpers.py); the tests below check what came back.
+fp16 with overflow-skipped steps under a `stop` rule, per-rank records with DeepSpeed's own
+monitor, the skip action on ZeRO 0-3 and stop) one engine after the other
+(tests/ds_helpers.py); the tests below check what came back.
 
 Tolerances: against DeepSpeed's own full tensors (`safe_get_full_*`, read at the same
 points), 1e-5 (the monitor accumulates in float32 per 4096-element chunk, the reference in
@@ -26,7 +27,8 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests import ds_helpers
-from tests.ds_helpers import CASES, GAS, MODEL, STEPS
+from tests.ds_helpers import (ACTION_CASES, ACTION_STEPS, CASES, CULPRIT, GAS, MODEL, NAN_AT, SNAPSHOT,
+                              SPIKE_AT, STEPS, STOP_AT)
 from tests.multiproc import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -138,7 +140,8 @@ def test_steps_follow_gradient_accumulation_with_one_transfer_each(launches, wor
             steps = len(result["grads"])
             assert [r["step"] for r in result["records"]] == list(range(steps)), name
             assert [r["micro_steps"] for r in result["records"]] == [GAS] * steps, name
-            assert result["transfers"] == steps, name
+            # with a skip/stop rule the last step's post-step rows travel at close()
+            assert result["transfers"] == steps + result["decides_early"], name
             assert result["restored"], f"{name}: engine.step/backward not given back on close"
 
 
@@ -186,11 +189,16 @@ def test_metrics_also_go_through_deepspeeds_own_monitor(launches):
     assert "Train/Samples/lr" in events.Tags()["scalars"]  # DeepSpeed's own events are still there
 
 
-def test_fp16_overflow_steps_are_reported_as_skipped_not_as_anomalies(launches):
-    result = launches[2][1][0]["zero2-fp16"]
+@pytest.mark.parametrize("world, name", [(1, "zero3-fp16"), (2, "zero2-fp16")])
+def test_fp16_overflow_steps_are_reported_as_skipped_not_as_anomalies(launches, world, name):
+    """Under a `stop` rule on the loss, activations, activation gradients and gradients (the
+    launch would have failed with TrainingStopped): routine overflows fire nothing."""
+    result = launches[world][1][0][name]
     records = result["records"]
+    assert result["decides_early"]
     skipped = [r["metrics"]["train/skipped"] for r in records]
     assert skipped == [1.0, 1.0, 0.0, 0.0, 0.0]  # the loss scale starts at 2^17, too high
+    assert result["incidents"] == {}
     for record in records:
         assert record["alerts"] == []
         has_grads = any(tag.startswith("grad/") for tag in record["metrics"])
@@ -260,3 +268,69 @@ def test_a_model_that_is_not_a_deepspeed_engine_is_refused():
 
     with pytest.raises(TypeError, match=r"deepspeed.initialize .* got torch.nn.modules.linear.Linear"):
         DeepSpeedMonitor(torch.nn.Linear(2, 2))
+
+
+# ---- actions: skip, stop, incidents ------------------------------------------------------------------
+def skip_cases(world: int) -> list[str]:
+    return [f"skip-zero{s}-{d}" for s, d in ACTION_CASES] if world == 1 else ["skip-zero2-fp32"]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_skip_leaves_weights_optimizer_state_and_lr_unchanged(launches, world):
+    """A spike (finite gradients: DeepSpeed would apply the step) at SPIKE_AT and a nan at NAN_AT,
+    on rank 0 only, both under `action: skip`. Those steps change nothing, bitwise (model weights,
+    fp32 masters, exp_avg, exp_avg_sq, the torch optimizer's step counts, the lr and the
+    scheduler), on every rank; the steps after them train normally."""
+    for rank, results in enumerate(launches[world][1]):
+        for name in skip_cases(world):
+            result = results[name]
+            for step, changed in enumerate(result["changes"], start=1):
+                assert changed["finite"], (name, rank, step)
+                expected = step not in (SPIKE_AT, NAN_AT)
+                assert {k: changed[k] for k in SNAPSHOT} == dict.fromkeys(SNAPSHOT, expected), (name, rank, step)
+            metrics = [r["metrics"] for r in result["records"]]
+            assert len(metrics) == ACTION_STEPS
+            skipped = [float(step in (SPIKE_AT, NAN_AT)) for step in range(ACTION_STEPS)]
+            assert [m["train/skipped"] for m in metrics] == skipped
+            # the skipped steps' gradients were cleared: the next steps' are as small as the first's
+            for step in (SPIKE_AT + 1, NAN_AT + 1):
+                assert metrics[step]["grad/global/norm"] < 3 * metrics[0]["grad/global/norm"], (name, step)
+            assert math.isnan(metrics[NAN_AT]["grad/global/norm"])  # reported, not hidden
+            alerts = {(a["rule"], a["step"]) for r in result["records"] for a in r["alerts"] if a["phase"] == "start"}
+            assert alerts == {("spike", SPIKE_AT), ("non_finite", NAN_AT)}, name
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_nan_leaves_an_incident_naming_the_layer(launches, world):
+    """On every rank (the statistics are merged: rank 1 saw the nan of rank 0 too)."""
+    for rank, results in enumerate(launches[world][1]):
+        for name in skip_cases(world):
+            incident = results[name]["incidents"][f"step{NAN_AT}-rank{rank}-non_finite"]
+            assert (incident["step"], incident["rule"], incident["action"]) == (NAN_AT, "non_finite", "skip")
+            culprit = incident["culprit"]
+            assert (culprit["phase"], culprit["call"]) == ("forward", CULPRIT), name
+            assert culprit["dump_entry"] == f"Module.{CULPRIT}.Linear.forward.0"
+
+
+def test_stop_raises_out_of_engine_step_after_flushing(launches):
+    """ZeRO-0 on one rank: TrainingStopped before DeepSpeed's step; records up to the stopping
+    step and the incident are on disk when it is caught, before monitor.close()."""
+    result = launches[1][1][0]["stop-zero0"]
+    assert result["stopped"]["step"] == STOP_AT and result["stopped"]["rules"] == ["non_finite"]
+    assert result["stopped"]["incidents"][0].endswith(f"step{STOP_AT}-rank0-non_finite")
+    assert result["steps_done"] == STOP_AT and result["unchanged"]
+    assert result["on_disk"] == list(range(STOP_AT + 1))
+    assert result["incidents"][f"step{STOP_AT}-rank0-non_finite"]["culprit"]["call"] == CULPRIT
+
+
+def test_all_ranks_stop_when_one_rank_decides_with_per_rank_records(launches):
+    """per_rank: true keeps each rank's own activations, so only rank 0 sees its nan: one
+    all-reduce of the decision makes rank 1 stop too (instead of hanging in DeepSpeed's step)."""
+    root, results = launches[2]
+    stops = [results[rank]["stop-zero2-per-rank"] for rank in (0, 1)]
+    assert stops[0]["stopped"]["rules"] == ["non_finite"] and stops[0]["incidents"]
+    assert stops[1]["stopped"]["rules"] == ["(a rule on another data-parallel rank)"]
+    assert not stops[1]["incidents"]
+    for stop in stops:
+        assert stop["stopped"]["step"] == STOP_AT and stop["steps_done"] == STOP_AT and stop["unchanged"]
+        assert stop["on_disk"] == list(range(STOP_AT + 1))

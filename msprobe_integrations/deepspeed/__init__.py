@@ -20,6 +20,10 @@ statistics over the data-parallel group (`msprobe_integrations.deepspeed.merge`)
 no full parameter is gathered. Rank 0 writes the merged run; with
 `per_rank: true` every rank writes its own (its own loss and activations).
 
+Alert actions are applied in `engine.step()` (`hooks.EngineHooks`): `skip` runs DeepSpeed's
+step with the torch optimizer's and lr scheduler's `step` as no-ops, `stop` raises
+`TrainingStopped` before it; fp16 overflow steps are screened out of the decision.
+
 DeepSpeed names relied on. Public: `DeepSpeedEngine.backward/step/
 is_gradient_accumulation_boundary/was_step_applied/managed_gradient_accumulation/
 zero_optimization_stage/fp16_enabled/global_steps/train_batch_size/module/optimizer/monitor`,

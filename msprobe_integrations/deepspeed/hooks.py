@@ -3,26 +3,49 @@
     engine.backward(loss)  the loss is kept (every micro-step; the record shows their mean)
     engine.step()          at the accumulation boundary, before DeepSpeed's step: the losses
                            and parameter gradients (divided by the fp16 loss scale), then
-                           `monitor.before_optimizer_step()`; after it: whether DeepSpeed
-                           applied the step, parameters and optimizer state, `step_end`.
+                           `monitor.before_optimizer_step()`; after it: whether the step was
+                           applied, parameters and optimizer state, `step_end`.
 
-A step DeepSpeed skips (fp16 overflow) is recorded as `train/skipped` = 1 with its
-gradients dropped: they were thrown away, not applied, and are no model anomaly.
+The monitor's decision is applied here. `skip`: DeepSpeed's step runs with the wrapped torch
+optimizer's `step` and the lr scheduler's `step` made no-ops for that one call (instance
+attributes, removed right after), so every ZeRO stage copies its unchanged fp32 masters back
+to the model and clears the gradients as usual; nothing else is replaced. `stop`:
+`TrainingStopped` propagates out of `engine.step()` before DeepSpeed's step, with the step's
+record and incident on disk. The decision is made on statistics merged over the
+data-parallel ranks, so all ranks take the same one; with `per_rank: true` (whose loss and
+activation rows are each rank's own) one extra all-reduce of two flags makes them agree.
+
+With fp16, a step DeepSpeed skips (loss-scale overflow) is recorded as `train/skipped` = 1
+with its gradients dropped: they were thrown away, not applied, and are no model anomaly.
+DeepSpeed skips exactly the steps whose gradients hold an inf or nan, which the merged
+gradient statistics show before the step: such a step's gradient rows are screened out
+before the rules see them (`before_optimizer_step(screen=...)`), so no skip/stop rule fires
+on a routine overflow.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+import contextlib
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 
 from msprobe_engine.collect.torch_optim import STATE_NAMES
-from msprobe_engine.stats.table import MetricKey
+from msprobe_engine.incident.actions import TrainingStopped
+from msprobe_engine.incident.graph import INPUT_GRAD_KIND
+from msprobe_engine.stats import P_INF, P_NAN
+from msprobe_engine.stats.table import MetricKey, StatTable
 from msprobe_integrations.deepspeed.shards import ShardReader
 
 if TYPE_CHECKING:
     from msprobe_engine.monitor import Monitor
 
 SKIPPED = MetricKey("train", "skipped")
+#: rows multiplied by the fp16 loss scale in the backward: void on an overflow step
+SCALED_KINDS = frozenset({"grad", "actv_grad", INPUT_GRAD_KIND})
+
+
+def _no_op(*args: Any, **kwargs: Any) -> None:
+    return None
 
 
 class EngineHooks:
@@ -44,9 +67,10 @@ class EngineHooks:
         self.update = any(s in ("update", "ratio") for s in watch.optimizer_state)
         self.param_keys = [MetricKey("param", n) for n in names] if watch.params or self.update else []
         self.states = [s for s in watch.optimizer_state if s in ("exp_avg", "exp_avg_sq")]
-        if any(rule.action == "skip" for rule in monitor.config.alerts):
-            monitor.warn("alert action 'skip' is not applied under DeepSpeed yet: the alert is reported "
-                         "and DeepSpeed's optimizer step runs")
+        self.fp16 = engine.fp16_enabled()
+        # per-rank records keep rank-local rows: the ranks' decisions must be made to agree
+        self.agree = monitor.config.per_rank and monitor.reducer is not None and monitor.reducer.world > 1
+        self._overflow = False
         self._before: list[torch.Tensor] | None = None
         self._losses: list[torch.Tensor] = []
         self._backward, self._step = engine.backward, engine.step
@@ -67,17 +91,22 @@ class EngineHooks:
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         boundary = not self.managed or self.engine.is_gradient_accumulation_boundary()
+        skip = boundary and self._before_step()  # TrainingStopped propagates from here
+        if skip:
+            with self._no_update():
+                result = self._step(*args, **kwargs)
+        else:
+            result = self._step(*args, **kwargs)
         if boundary:
-            self._before_step()
-        result = self._step(*args, **kwargs)
-        if boundary:
-            self._after_step()
+            self._after_step(skip)
         return result
 
     # ---- one optimizer step -----------------------------------------------------------
-    def _before_step(self) -> None:
+    def _before_step(self) -> bool:
+        """Measure what is final before the step, then decide: True to skip the step."""
         monitor, reader = self.monitor, self.reader
         losses, self._losses = self._losses, []
+        self._overflow = False
         if monitor.active and losses:  # the step's micro-batch losses, measured at once
             with monitor.guard("DeepSpeed loss"):
                 monitor.report_loss(torch.stack(losses))
@@ -88,27 +117,89 @@ class EngineHooks:
                 with monitor.guard("DeepSpeed parameters before the step"), torch.no_grad():
                     self._before = [t.clone() for t in reader.masters()]
         # The rules whose action needs a decision fire here, before DeepSpeed updates the weights.
-        monitor.before_optimizer_step()
+        deciding = monitor.active and monitor.decide_early
+        skip, stopped = False, None
+        try:
+            skip = monitor.before_optimizer_step(screen=self._screen_overflow if self.fp16 else None).skip
+        except TrainingStopped as exc:
+            stopped = exc
+        if deciding and self.agree:
+            skip, stopped = self._agree(skip, stopped)
+        if stopped is not None:
+            with monitor.guard("DeepSpeed stop"):  # the stopping step's own record goes to disk too
+                monitor.drain()
+            monitor.flush()
+            raise stopped
+        return skip
 
-    def _after_step(self) -> None:
+    def _agree(self, skip: bool, stopped: TrainingStopped | None) -> tuple[bool, TrainingStopped | None]:
+        """per_rank: one all-reduce (max) of (skip, stop) over the data-parallel group."""
+        import torch.distributed as dist
+
+        flags = torch.tensor([float(skip or stopped is not None), float(stopped is not None)],
+                             device=self.engine.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.monitor.reducer.group)
+        if stopped is None and bool(flags[1]):
+            stopped = TrainingStopped(self.monitor.step, ["(a rule on another data-parallel rank)"], [])
+        return bool(flags[0]), stopped
+
+    def _screen_overflow(self, table: StatTable) -> StatTable:
+        """fp16: DeepSpeed skips a step whose gradients hold an inf or nan (a loss-scale overflow,
+        or a real one: it cannot tell them apart). The merged gradient rows show it before the
+        step, on every rank alike: drop the loss-scaled rows, whose non-finite values are routine."""
+        grads = table.select("grad")
+        if not grads.any() or not (table.partials[grads][:, [P_NAN, P_INF]] > 0).any():
+            return table
+        self._overflow = True
+        keep = [i for i, key in enumerate(table.keys) if key.kind not in SCALED_KINDS]
+        return StatTable.from_rows([table.keys[i] for i in keep], table.partials[keep])
+
+    @contextlib.contextmanager
+    def _no_update(self) -> Iterator[None]:
+        """DeepSpeed's step with the torch optimizer's and the lr scheduler's `step` as no-ops:
+        instance attributes, the previous ones (e.g. a torch lr scheduler's wrapper) put back."""
+        engine = self.engine
+        inner = getattr(engine.optimizer, "optimizer", engine.optimizer)  # ZeRO-0 fp32: the torch one
+        patched = []
+        # ZeRO-3 with optimizer offload steps some sub-groups with its `backup_optimizer`
+        for owner in (inner, getattr(engine.optimizer, "backup_optimizer", None), engine.lr_scheduler):
+            if owner is None or not hasattr(owner, "step"):
+                continue
+            patched.append((owner, owner.__dict__.get("step"), "step" in owner.__dict__))
+            owner.step = _no_op
+        try:
+            yield
+        finally:
+            for owner, previous, had in reversed(patched):
+                if had:
+                    owner.step = previous
+                else:
+                    del owner.step
+
+    def _after_step(self, skipped: bool) -> None:
         monitor = self.monitor
         if monitor.active:
             applied = self.engine.was_step_applied()
-            monitor.add_tensors([SKIPPED], [monitor.backend.scalar(0.0 if applied else 1.0)])
-            if not applied:
-                monitor.discard("grad")
+            if self._overflow and applied:
+                monitor.warn("DeepSpeed applied an fp16 step whose gradients held inf/nan; its gradient "
+                             "statistics were dropped as an overflow's")
+            monitor.add_tensors([SKIPPED], [monitor.backend.scalar(0.0 if applied and not skipped else 1.0)])
+            if not applied and self.fp16:  # an overflow: the scaled gradients were thrown away
+                for kind in SCALED_KINDS:
+                    monitor.discard(kind)
             elif self.reader is not None:
-                self._read_after_step(self.reader)
+                self._read_after_step(self.reader, applied and not skipped)
         self._before = None
+        self._overflow = False
         monitor.after_optimizer_step()
         monitor.step_end()
 
-    def _read_after_step(self, reader: ShardReader) -> None:
+    def _read_after_step(self, reader: ShardReader, applied: bool) -> None:
         if self.param_keys:
             self._add(self.param_keys, reader.masters, "DeepSpeed parameters")
         if self.states:
             present = {STATE_NAMES[k]: k for k in reader.state_keys() if STATE_NAMES.get(k) in self.states}
-            if not present:
+            if not present and applied:  # (before a first applied step there is no state yet)
                 self.monitor.warn(f"optimizer {type(self.engine.optimizer).__name__} keeps none of "
                                   f"{', '.join(self.states)}: optimizer state is not monitored")
             for ours, theirs in sorted(present.items()):
