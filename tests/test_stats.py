@@ -104,3 +104,10 @@ def test_many_small_tensors_batched_by_size_class_are_exact():
     tensors[2][1] = float("nan")
     tensors[9][0] = float("-inf")
     assert_matches(partial_stats(tensors, count_zeros=True).numpy(), tensors)
+
+
+def test_small_tensors_of_mixed_dtypes_in_one_size_class_keep_their_values():
+    tensors = [torch.tensor([True, False, True, True]), torch.tensor([-3.5, 2.0, 7.25, 1.0]),
+               torch.tensor([1, -200, 3, 4]), torch.tensor([0.5, 0.25, -1.0, 8.0], dtype=torch.bfloat16),
+               torch.tensor([9.0, -9.0, 0.0, 1.0])]
+    assert_matches(partial_stats(tensors, count_zeros=True).numpy(), tensors)
