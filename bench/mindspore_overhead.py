@@ -1,0 +1,103 @@
+"""Monitor overhead on a small MindSpore network (PyNative, CPU): median step time over a run without it.
+
+Copies of the same network (Dense layers with ReLU/Tanh, Adam) train side by side in
+one process, one `value_and_grad` step of each in turn, in a rotating order (so
+machine noise hits every config alike), at OMP_NUM_THREADS=1. Each step ends by
+reading the loss to the host, so queued device work is timed where it was queued.
+The LAST printed line is one JSON object mapping each config to its ratio over no
+monitor. Goal: everything <= 1.3.
+
+    OMP_NUM_THREADS=1 python bench/mindspore_overhead.py [--steps 60] [--warmup 10]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mindspore as ms  # noqa: E402
+import numpy as np  # noqa: E402
+from mindspore import Tensor, nn  # noqa: E402
+
+from msprobe_integrations.mindspore import MindSporeMonitor  # noqa: E402
+
+NONE = {"module_outputs": False, "activation_grads": False, "param_grads": False, "params": False,
+        "optimizer_state": []}
+CONFIGS = {
+    "grads+optimizer": {**NONE, "param_grads": True, "optimizer_state": ["exp_avg", "exp_avg_sq"]},
+    "+activations": {**NONE, "param_grads": True, "optimizer_state": ["exp_avg", "exp_avg_sq"], "module_outputs": True},
+    "everything": {"module_outputs": True, "module_inputs": True, "activation_grads": True, "param_grads": True,
+                   "params": True, "optimizer_state": ["exp_avg", "exp_avg_sq", "update", "ratio"]},
+}
+WIDTH, BATCH = 128, 32
+
+
+def make_net() -> nn.Cell:
+    ms.set_seed(0)
+    return nn.SequentialCell(nn.Dense(64, WIDTH), nn.ReLU(), nn.Dense(WIDTH, WIDTH), nn.Tanh(),
+                             nn.Dense(WIDTH, WIDTH), nn.ReLU(), nn.Dense(WIDTH, 10))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=10)
+    args = parser.parse_args()
+    ms.set_device("CPU")
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    out = Path(tempfile.mkdtemp(prefix="msprobe-ms-bench-"))
+    rng = np.random.default_rng(0)
+    batches = [(Tensor(rng.standard_normal((BATCH, 64)).astype(np.float32)),
+                Tensor(rng.standard_normal((BATCH, 10)).astype(np.float32))) for _ in range(8)]
+    runs = {}
+    for name in ["no monitor", *CONFIGS]:
+        net = make_net()
+        opt = nn.Adam(net.trainable_params(), 1e-3)
+        loss_fn = nn.MSELoss()
+        grad_fn = ms.value_and_grad(lambda x, y, net=net, loss_fn=loss_fn: loss_fn(net(x), y), None, opt.parameters)
+        monitor = None
+        if name in CONFIGS:
+            monitor = MindSporeMonitor(net, opt, {"output_dir": str(out / name.replace("+", "_")),
+                                                  "watch": CONFIGS[name], "sinks": ["tensorboard"]})
+        runs[name] = (net, opt, grad_fn, monitor, [])
+    names = list(runs)
+    for i in range(args.steps + args.warmup):
+        x, y = batches[i % len(batches)]
+        shift = i % len(names)  # rotate the order each round, so no config always runs first
+        for name in names[shift:] + names[:shift]:
+            _, opt, grad_fn, monitor, times = runs[name]
+            start = time.perf_counter()
+            loss, grads = grad_fn(x, y)
+            opt(grads)
+            if monitor is not None:
+                monitor.step_end(loss, grads)
+            loss.asnumpy()
+            if i >= args.warmup:
+                times.append(time.perf_counter() - start)
+            if monitor is not None:
+                monitor.flush()  # untimed: the writer thread must not run into the next config's step
+    for *_, monitor, _ in runs.values():
+        if monitor is not None:
+            monitor.close()
+    base = statistics.median(runs["no monitor"][4])
+    params = sum(p.size for p in runs["no monitor"][0].trainable_params())
+    print(f"median step time without the monitor: {base * 1e3:.2f} ms "
+          f"({params / 1e3:.1f}k params, batch {BATCH}, {args.steps} steps, PyNative CPU)")
+    ratios = {}
+    for name in CONFIGS:
+        median = statistics.median(runs[name][4])
+        ratios[name] = round(median / base, 3)
+        print(f"{name:20s} {median * 1e3:8.2f} ms  x{ratios[name]:.3f}")
+    print(json.dumps(ratios))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""Batched partial statistics of many MindSpore tensors, with MindSpore's own ops.
+
+Same rows and semantics as `torch_backend` (see `msprobe_engine.stats`), computed
+on the tensors' own device and returned as a float64 ``[k, 8]`` tensor.
+
+All the reductions of one call run as ONE compiled graph (`mindspore.jit`): in
+PyNative mode every eager op is a trip through the dispatch pipeline, and a few
+dozen of them would cost more than the training step. The graph is compiled
+once per layout (the shapes and dtypes of the tensors, stable from step to
+step; about a second on CPU) and then reused. Inside it, tensors of the same
+length (a layer's weight, its gradient, both Adam moments, its update) are
+concatenated into one matrix and reduced along its rows; tensors above
+LARGE_NUMEL elements are reduced on their own (no concatenated copy).
+A tensor passed twice (a module's output is the next one's input) is reduced once;
+a `Difference` (a parameter's update) is computed inside the graph too.
+
+float16/bfloat16/float32 tensors accumulate in float32; float64, integer and
+bool tensors in float64, so integers stay exact. nan/inf are counted (exactly,
+in int32) only when the sum of squares of all the tensors is not finite, a
+branch taken inside the graph, with no host read; where a nan was counted, min
+and max are nan (MindSpore's min/max skip nan). The zero count is taken only on
+request, as in torch.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence, Union
+
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor, ops
+
+#: Tensors above this many elements are reduced on their own, not concatenated.
+LARGE_NUMEL = 1 << 20
+#: Longer tensors are summed in float32 per chunk of this many elements, the chunk sums
+#: in float64 (MindSpore's float32 sum of a million elements drifts by about 1e-5).
+SUM_CHUNK = 1 << 14
+
+_LOW_PRECISION = (ms.float16, ms.bfloat16, ms.float32)
+_NAN, _INF = float("nan"), float("inf")
+
+
+class Difference(NamedTuple):
+    """``after - before`` (a parameter's update), measured as a tensor: computed inside the
+    statistics graph, so it costs no launch of its own."""
+    after: Tensor
+    before: Tensor
+
+    @property
+    def dtype(self) -> ms.dtype:
+        return self.after.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.after.shape
+
+    @property
+    def size(self) -> int:
+        return self.after.size
+
+
+Measured = Union[Tensor, Difference]
+
+
+def partial_stats(tensors: Sequence[Measured], count_zeros: bool = False, deferred: bool = False) -> Tensor:
+    """Return a ``[len(tensors), 8]`` float64 tensor of partial statistics.
+
+    Columns follow `msprobe_engine.stats.PARTIAL_COLUMNS`; the zero count is nan
+    unless `count_zeros`. Nothing is transferred to the host. `deferred` is part of
+    the backend interface; here the rows are always packed (by the one compiled graph).
+    """
+    if not tensors:
+        return Tensor(np.empty((0, 8)), ms.float64)
+    distinct = list({id(tensor): tensor for tensor in tensors}.values())
+    slot = {id(tensor): i for i, tensor in enumerate(distinct)}
+    groups: dict[tuple[bool, int, int], list[int]] = {}
+    empty: list[int] = []
+    for i, tensor in enumerate(distinct):
+        numel = tensor.size
+        if numel == 0:
+            empty.append(i)
+        else:
+            alone = i if numel > LARGE_NUMEL else -1
+            groups.setdefault((tensor.dtype not in _LOW_PRECISION, numel, alone), []).append(i)
+    groups = dict(sorted(groups.items(), key=lambda item: item[0][0]))  # the float32 family first
+    order = [i for members in groups.values() for i in members] + empty
+    layout = tuple((numel, len(members), wide) for (wide, numel, _), members in groups.items())
+    row_of = np.argsort(order)
+    gather = tuple(int(row_of[slot[id(tensor)]]) for tensor in tensors)
+    items = [distinct[i] for i in order]
+    inputs = tuple(t for item in items for t in (item if isinstance(item, Difference) else (item,)))
+    differences = tuple(isinstance(item, Difference) for item in items)
+    return _rows(ms.mutable(inputs), layout, differences, len(empty), gather, count_zeros)
+
+
+def concat(rows: Sequence[Tensor]) -> Tensor:
+    """Pack the step's row blocks into one tensor."""
+    return ops.cat(list(rows)) if len(rows) > 1 else rows[0]
+
+
+def to_host(rows: Tensor) -> np.ndarray:
+    """The single device-to-host copy of a step's packed statistics (numpy float64)."""
+    return rows.asnumpy().astype(np.float64, copy=False)
+
+
+def scalar(value: float) -> Tensor:
+    return Tensor(value, ms.float64)
+
+
+@ms.jit
+def _rows(tensors, layout, differences, empty, gather, count_zeros):
+    """Rows of the measured items: groups of (numel, members, accumulate in float64) as
+    `layout` says, the float32 family first, then `empty` empty tensors; an item is one
+    tensor, or two (after, before) where `differences` says so; row `gather[i]` is the i-th
+    result. Compiled once per layout; traced, so the Python loops unroll."""
+    f64 = ms.float64
+    narrow, wide = [], []  # (min, max, sum, sum of squares) per group, by family
+    matrices = []
+    start = 0  # the next item
+    position = 0  # its first tensor
+    for numel, members, is_wide in layout:
+        acc = f64 if is_wide else ms.float32
+        flats = []
+        for item in range(start, start + members):
+            value = tensors[position]
+            if differences[item]:
+                value = value - tensors[position + 1]
+                position += 1
+            position += 1
+            flats.append(value.astype(acc).reshape(1, numel))
+        start += members
+        matrix = ops.cat(flats) if members > 1 else flats[0]
+        low, high = ops.aminmax(matrix, axis=1)
+        stats = (low, high, *_sums(matrix, members, numel))
+        if is_wide:
+            wide.append(stats)
+        else:
+            narrow.append(stats)
+        matrices.append(matrix)
+    blocks = []
+    if narrow:
+        blocks.append(_stack(narrow))
+    if wide:
+        blocks.append(_stack(wide))
+    if empty:
+        blocks.append(ops.tile(Tensor([[_INF, -_INF, 0, 0]], f64), (empty, 1)))
+    values = ops.cat(blocks) if len(blocks) > 1 else blocks[0]
+    k = start + empty
+    if ops.isfinite(values[:, 3].sum()):  # a finite sum of squares: no nan, no inf anywhere
+        counts = ops.zeros((k, 2), f64)
+    else:
+        counts = ops.stack([_counts(ops.isnan, matrices, empty), _counts(ops.isinf, matrices, empty)], 1)
+        values = ops.cat([ops.where(counts[:, :1] > 0, Tensor(_NAN, f64), values[:, :2]),  # min/max skip nan
+                          values[:, 2:]], 1)
+    if count_zeros:
+        zeros = _counts(_is_zero, matrices, empty)
+    else:
+        zeros = ops.cat([ops.fill(f64, (start,), _NAN), ops.zeros((empty,), f64)])  # as torch: 0 if empty
+    numels = [ops.fill(f64, (members,), numel) for numel, members, _ in layout] + [ops.zeros((empty,), f64)]
+    rows = ops.cat([values, counts, ops.stack([zeros, ops.cat(numels)], 1)], 1)
+    return ops.gather(rows, Tensor(gather, ms.int32), 0)
+
+
+def _sums(matrix, members, numel):
+    """Row sums and sums of squares of `matrix`, chunked when its rows are long."""
+    if numel <= SUM_CHUNK:
+        return matrix.sum(1), (matrix * matrix).sum(1)
+    pad = -numel % SUM_CHUNK
+    if pad:
+        matrix = ops.cat([matrix, ops.zeros((members, pad), matrix.dtype)], 1)
+    chunks = matrix.reshape(members, -1, SUM_CHUNK)
+    return tuple(part.sum(2).astype(ms.float64).sum(1).astype(matrix.dtype) for part in (chunks, chunks * chunks))
+
+
+def _stack(family):
+    """``[k, 4]`` float64 from the (min, max, sum, sum of squares) vectors of some groups."""
+    columns = [ops.cat([group[i] for group in family]) if len(family) > 1 else family[0][i] for i in range(4)]
+    return ops.stack(columns, 1).astype(ms.float64)
+
+
+def _counts(test, matrices, empty):
+    """Per tensor, how many elements pass `test` (exact, int32), as one float64 vector."""
+    parts = [test(matrix).astype(ms.int32).sum(1) for matrix in matrices] + [ops.zeros((empty,), ms.int32)]
+    return ops.cat(parts).astype(ms.float64)
+
+
+def _is_zero(matrix):
+    return matrix == 0

@@ -1,0 +1,139 @@
+"""MindSpore: a Callback for `Model.train`, and a monitor for functional loops.
+
+`Model.train`::
+
+    model.train(epochs, dataset, callbacks=[MonitorCallback(net, optimizer, config="monitor.yaml")],
+                dataset_sink_mode=False)
+
+A `mindspore.value_and_grad` loop, two lines::
+
+    monitor = MindSporeMonitor(net, optimizer, config="monitor.yaml")
+    for x, y in data:
+        loss, grads = grad_fn(x, y)     # grad_fn = ms.value_and_grad(forward, None, optimizer.parameters)
+        optimizer(grads)
+        monitor.step_end(loss, grads)
+    monitor.close()
+
+Statistics are computed with MindSpore ops (`msprobe_engine.backends.mindspore_backend`);
+torch is never imported. In PyNative mode Cell hooks see activations and the
+optimizer Cell's hooks see the gradients. In GRAPH_MODE (and inside
+`mindspore.jit`) hooks do not run: activations are not monitored; the loss,
+parameters and optimizer state are read at step end, and gradients when they
+are handed over: `step_end(loss, grads)`, or, under `Model.train`, a train
+network that returns them, `Model(nn.TrainOneStepCell(net_with_loss, optimizer, return_grad=True))`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from mindspore import nn
+from mindspore.experimental import optim
+from mindspore.train import Callback, RunContext
+
+from msprobe_engine.backends import mindspore_backend
+from msprobe_engine.collect.mindspore_cells import CellHooks, OptimizerState, TensorBatch, compiled, is_tensor
+from msprobe_engine.config import ConfigSource
+from msprobe_engine.monitor import Monitor
+from msprobe_engine.records import StepRecord
+from msprobe_engine.stats.table import MetricKey
+
+GRAPH_MODE_WARNING = (
+    "GRAPH_MODE: Cell hooks do not run in a compiled graph, so activations and activation gradients "
+    "are NOT monitored; loss, parameters and optimizer state are read at step end, and parameter "
+    "gradients when they are handed over (step_end(loss, grads), or a train network built with "
+    "nn.TrainOneStepCell(..., return_grad=True)). Use PYNATIVE_MODE to monitor activations.")
+
+
+class MindSporeMonitor:
+    """Monitor a MindSpore Cell and its optimizer; call `step_end(loss, grads)` once per step."""
+
+    def __init__(self, net: nn.Cell, optimizer: Any = None, config: ConfigSource = None, **kwargs: Any) -> None:
+        if not isinstance(net, nn.Cell):
+            raise TypeError(f"MindSporeMonitor: net must be a mindspore.nn.Cell, got {type(net).__name__}; "
+                            "nothing would be monitored")
+        if optimizer is not None and not isinstance(optimizer, (nn.Optimizer, optim.Optimizer)):
+            raise TypeError("MindSporeMonitor: optimizer must be a mindspore.nn.Optimizer or "
+                            f"mindspore.experimental.optim.Optimizer, got {type(optimizer).__name__}; pass None "
+                            "to monitor without optimizer state (gradients then come from step_end(loss, grads))")
+        self.monitor = Monitor(config, backend=mindspore_backend, **kwargs)
+        self.batch = TensorBatch(self.monitor)
+        pynative = not compiled()
+        if not pynative:
+            self.monitor.warn(GRAPH_MODE_WARNING)
+        self.cells = CellHooks(self.monitor, net, self.batch) if pynative else None
+        self.optim = OptimizerState(self.monitor, net, optimizer, self.batch, hooks=pynative)
+        self.optim.snapshot()  # for a first step whose optimizer runs where no hook does
+
+    def step_end(self, loss: Any = None, grads: Any = None) -> StepRecord | None:
+        """Close the optimizer step. `grads` (a tuple in optimizer-parameter order, or a
+        {parameter name: grad} dict) is used only when the optimizer's hooks did not run."""
+        monitor = self.monitor
+        ran_compiled = not self.optim.stepped
+        if ran_compiled:
+            self._read_compiled_step(grads)
+        if monitor.active and self.cells is not None and self.cells.paths and not self.cells.fired:
+            monitor.warn("no Cell hook ran in a monitored step: the net ran compiled (mindspore.jit); "
+                         "activations are not monitored")
+        if monitor.active and is_tensor(loss):  # measured with the rest: one backend call per step
+            self.batch.add([MetricKey("train", "loss")], [loss])
+            loss = None
+        self.batch.flush()
+        record = monitor.step_end(loss)
+        self.optim.stepped = False
+        if self.cells is not None:
+            self.cells.fired = False
+        if ran_compiled:
+            self.optim.snapshot()
+        return record
+
+    def flush(self) -> None:
+        """Wait until every finished step is written."""
+        self.monitor.flush()
+
+    def close(self) -> None:
+        """Remove the hooks, write what is pending and close the sinks."""
+        if self.cells is not None:
+            self.cells.remove()
+        self.optim.remove()
+        self.monitor.close()
+
+    def __enter__(self) -> "MindSporeMonitor":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _read_compiled_step(self, grads: Any) -> None:
+        """The optimizer step ran where no hook runs: read its gradients and state now."""
+        monitor = self.monitor
+        if self.cells is None or not self.cells.fired:
+            monitor.micro_step_begin()
+        if monitor.active and grads is None and monitor.config.watch.param_grads:
+            monitor.warn("parameter gradients are not monitored: no optimizer hook saw them (compiled "
+                         "step, or no optimizer given); pass them as step_end(loss, grads)")
+        self.optim.before_step(grads)
+        self.optim.after_step()
+
+
+class MonitorCallback(Callback):
+    """`Model.train` callback: monitors `net` and `optimizer` every step; closes at train end."""
+
+    def __init__(self, net: nn.Cell, optimizer: Any = None, config: ConfigSource = None, **kwargs: Any) -> None:
+        super().__init__()
+        self.monitor = MindSporeMonitor(net, optimizer, config, **kwargs)
+
+    def on_train_step_end(self, run_context: RunContext) -> None:
+        loss, grads = split_outputs(run_context.original_args().net_outputs)
+        self.monitor.step_end(loss, grads)
+
+    def on_train_end(self, run_context: RunContext) -> None:
+        self.monitor.close()
+
+
+def split_outputs(outputs: Any) -> tuple[Any, Any]:
+    """(loss, grads) from a train network's outputs: a loss, (loss, {name: grad}) from
+    TrainOneStepCell(return_grad=True), or (loss, overflow, scale) with loss scaling."""
+    if isinstance(outputs, (tuple, list)) and outputs:
+        grads = outputs[1] if len(outputs) > 1 and isinstance(outputs[1], dict) else None
+        return outputs[0], grads
+    return (outputs if is_tensor(outputs) or isinstance(outputs, (int, float)) else None), None
