@@ -1,19 +1,29 @@
 """Benchmark `compare` on a generated tensor dump: time and peak memory against one plain read.
 
-    OMP_NUM_THREADS=1 python bench/compare.py [--entries 500] [--size-mb 1024] [--dir DIR]
+    OMP_NUM_THREADS=1 python bench/compare.py [--entries 500] [--size-mb 1024] [--repeat 3] [--dir DIR]
 
 Writes two dumps (A, and B = A with a small relative perturbation) of ``--entries`` float32
-tensors, ``--size-mb`` in all (every 50th tensor 8x larger than the rest), then runs, each in a
-fresh process: a plain read of every tensor file's bytes, a torch.load of every file, the
-comparison (CSV written), and the plain read again (the faster read is the reference; the page
-cache is warm for all of them, so the plain read runs at memory speed).
-The last line printed is one JSON object with the figures.
+tensors, ``--size-mb`` in all (every 50th tensor 8x larger than the rest), then runs ``--repeat``
+rounds of three phases, each phase in a fresh process (torch imported before the clock starts):
+
+- read (the reference, "one plain read of the same files"): every tensor file of both dumps
+  loaded into memory one after the other as a user would, ``torch.load(file, map_location="cpu",
+  weights_only=True)``, which includes the deserialisation (zip directory, the weights-only
+  unpickler) and the copy of the data into a new tensor;
+- compare: ``compare_dumps`` of A and B with the CSV written, as the CLI does;
+- raw read (an extra figure, not the reference): the bytes of every tensor file read in 16 MiB
+  blocks, no deserialisation, i.e. the speed of the page cache.
+
+The page cache is warm for all phases (the dumps were just written). Figures are medians over the
+rounds; ``*_cpu_s`` is the CPU time (user + system) of the phase, less disturbed than wall time on
+a busy machine. The last line printed is one JSON object with the figures.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -64,25 +74,32 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
-def phase_read(root: Path) -> dict:
-    """Read every tensor file once, in 16 MiB blocks."""
-    start = time.perf_counter()
+def _files(root: Path) -> list[Path]:
+    return sorted(root.glob("*/step0/rank0/dump_tensor_data/*.pt"))
+
+
+def phase_raw(root: Path) -> dict:
+    """Read the bytes of every tensor file once, in 16 MiB blocks (no deserialisation)."""
+    files = _files(root)
+    start, cpu = time.perf_counter(), time.process_time()
     total = 0
-    for file in sorted(root.glob("*/step0/rank0/dump_tensor_data/*.pt")):
+    for file in files:
         with open(file, "rb", buffering=0) as f:
             while block := f.read(16 << 20):
                 total += len(block)
-    return {"seconds": time.perf_counter() - start, "bytes": total, "peak_rss_mb": _peak_rss_mb()}
+    return {"seconds": time.perf_counter() - start, "cpu_s": time.process_time() - cpu, "bytes": total,
+            "peak_rss_mb": _peak_rss_mb()}
 
 
-def phase_load(root: Path) -> dict:
-    """Load every tensor file once with torch.load (torch imported before the clock starts)."""
+def phase_read(root: Path) -> dict:
+    """The reference: load every tensor file into memory once, torch.load(weights_only=True)."""
     import torch
 
-    start = time.perf_counter()
-    for file in sorted(root.glob("*/step0/rank0/dump_tensor_data/*.pt")):
+    files = _files(root)
+    start, cpu = time.perf_counter(), time.process_time()
+    for file in files:
         torch.load(file, map_location="cpu", weights_only=True)
-    return {"seconds": time.perf_counter() - start, "peak_rss_mb": _peak_rss_mb()}
+    return {"seconds": time.perf_counter() - start, "cpu_s": time.process_time() - cpu, "peak_rss_mb": _peak_rss_mb()}
 
 
 def phase_compare(root: Path) -> dict:
@@ -93,15 +110,14 @@ def phase_compare(root: Path) -> dict:
     from msprobe_engine.analysis.report import RowWriter
 
     baseline = _rss_mb()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     with RowWriter(root / "compare.csv") as writer:
         comp = compare_dumps(root / "a", root / "b", on_row=writer.write, keep_rows=False, progress=False)
-    seconds = time.perf_counter() - start
-    return {"seconds": seconds, "baseline_rss_mb": baseline, "peak_rss_mb": _peak_rss_mb(),
-            "counts": comp.ranks[0].counts}
+    return {"seconds": time.perf_counter() - start, "cpu_s": time.process_time() - cpu, "baseline_rss_mb": baseline,
+            "peak_rss_mb": _peak_rss_mb(), "counts": comp.ranks[0].counts}
 
 
-PHASES = {"read": phase_read, "load": phase_load, "compare": phase_compare}
+PHASES = {"read": phase_read, "raw": phase_raw, "compare": phase_compare}
 
 
 def _run_phase(phase: str, root: Path) -> dict:
@@ -110,39 +126,48 @@ def _run_phase(phase: str, root: Path) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def _median(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--entries", type=int, default=500)
     parser.add_argument("--size-mb", type=float, default=1024, help="total size of both dumps")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds of the three phases (medians are reported)")
     parser.add_argument("--dir", type=Path, help="work directory (default: a temporary one, removed after)")
     parser.add_argument("--phase", choices=list(PHASES), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.phase:
         print(json.dumps(PHASES[args.phase](args.dir)))
         return
+    runs: dict[str, list[dict]] = {phase: [] for phase in PHASES}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
         start = time.perf_counter()
         largest_pair = generate(root, args.entries, args.size_mb)
         print(f"generated {args.entries} entries x 2 dumps, {args.size_mb:g} MB, in {time.perf_counter() - start:.1f} s")
-        reads = [_run_phase("read", root)]
-        load = _run_phase("load", root)
-        compare = _run_phase("compare", root)
-        reads.append(_run_phase("read", root))
-        read = min(reads, key=lambda r: r["seconds"])
-    ratio = compare["seconds"] / read["seconds"]
-    print(f"plain read: {read['seconds']:.2f} s for {read['bytes'] / 2**20:.0f} MiB (page cache warm)")
-    print(f"torch.load: {load['seconds']:.2f} s for the same files")
-    print(f"compare:    {compare['seconds']:.2f} s ({ratio:.2f}x the read, {compare['seconds'] / load['seconds']:.2f}x "
-          f"the torch.load pass), statuses {compare['counts']}")
-    print(f"peak RSS:   {compare['peak_rss_mb']:.0f} MiB, {compare['peak_rss_mb'] - compare['baseline_rss_mb']:.0f} MiB "
-          f"above the process after imports; largest tensor pair {largest_pair / 2**20:.0f} MiB")
-    print(json.dumps({"compare_over_read": round(ratio, 3), "compare_s": round(compare["seconds"], 3),
-                      "read_s": round(read["seconds"], 3), "load_s": round(load["seconds"], 3),
-                      "compare_over_load": round(compare["seconds"] / load["seconds"], 3), "dump_mb": round(read["bytes"] / 2**20, 1),
-                      "peak_rss_mb": round(compare["peak_rss_mb"], 1),
-                      "rss_over_baseline_mb": round(compare["peak_rss_mb"] - compare["baseline_rss_mb"], 1),
-                      "largest_pair_mb": round(largest_pair / 2**20, 1)}))
+        for _ in range(args.repeat):
+            for phase in PHASES:
+                runs[phase].append(_run_phase(phase, root))
+    read, raw, compare = (_median(runs[p], "seconds") for p in ("read", "raw", "compare"))
+    read_cpu, compare_cpu = _median(runs["read"], "cpu_s"), _median(runs["compare"], "cpu_s")
+    peak = max(r["peak_rss_mb"] for r in runs["compare"])
+    above = max(r["peak_rss_mb"] - r["baseline_rss_mb"] for r in runs["compare"])
+    mib = runs["raw"][0]["bytes"] / 2**20
+    print(f"read:     {read:.3f} s (cpu {read_cpu:.3f} s): torch.load(weights_only=True) of every file, {mib:.0f} MiB")
+    print(f"compare:  {compare:.3f} s (cpu {compare_cpu:.3f} s), {compare / read:.2f}x the read, statuses "
+          f"{runs['compare'][0]['counts']}")
+    print(f"raw read: {raw:.3f} s (bytes only, page cache warm); compare is {compare / raw:.1f}x that")
+    print(f"peak RSS: {peak:.0f} MiB, {above:.0f} MiB above the process after imports; "
+          f"largest tensor pair {largest_pair / 2**20:.0f} MiB")
+    print(json.dumps({"compare_over_read": round(compare / read, 3), "compare_s": round(compare, 3),
+                      "read_s": round(read, 3), "read": "torch.load(weights_only=True) of every .pt file",
+                      "compare_cpu_s": round(compare_cpu, 3), "read_cpu_s": round(read_cpu, 3),
+                      "compare_over_read_cpu": round(compare_cpu / read_cpu, 3),
+                      "raw_read_s": round(raw, 3), "compare_over_raw_read": round(compare / raw, 2),
+                      "repeat": args.repeat, "dump_mb": round(mib, 1), "peak_rss_mb": round(peak, 1),
+                      "rss_over_baseline_mb": round(above, 1), "largest_pair_mb": round(largest_pair / 2**20, 1)}))
 
 
 if __name__ == "__main__":

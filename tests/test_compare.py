@@ -176,3 +176,123 @@ def test_xlsx_without_openpyxl_is_a_clear_error(tmp_path, capsys):
     assert main(["compare", str(clean), str(clean), "-o", str(tmp_path / "r.csv"),
                  "--xlsx", str(tmp_path / "r.xlsx")]) == 1
     assert "xlsx output needs openpyxl" in capsys.readouterr().err
+
+
+def _with_nonfinite(x: np.ndarray) -> np.ndarray:
+    x = x.copy()
+    x[3], x[10], x[11] = np.nan, np.inf, -np.inf
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32,
+                                   torch.bool])
+@pytest.mark.parametrize("chunk", [7, 1 << 18])
+def test_metrics_of_torch_tensors_equal_those_of_their_float64_values(dtype, chunk):
+    """Torch inputs (bfloat16 included, converted chunk by chunk) give exactly the metrics of
+    the same values as a float64 numpy array."""
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal(300) * 3
+    b = a * (1 + rng.uniform(-0.006, 0.006, a.shape))
+    b[::17] = 0.0
+    a[::23] = 0.0
+    if dtype.is_floating_point:
+        a, b = _with_nonfinite(a), _with_nonfinite(b)
+        b[11] = np.inf  # -inf vs inf: a mismatch
+    ta, tb = torch.from_numpy(a).to(dtype), torch.from_numpy(b).to(dtype)
+    got = tensor_metrics(ta.reshape(20, 15), tb.reshape(20, 15), chunk=chunk)
+    want = tensor_metrics(ta.double().numpy(), tb.double().numpy(), chunk=chunk)
+    assert got == want
+    assert got.nonfinite_mismatch == (1 if dtype.is_floating_point else 0)
+
+
+@pytest.mark.parametrize("spread", [0.0005, 0.003, 0.02])
+@pytest.mark.parametrize("chunk", [5, 64, 1 << 18])
+def test_ratios_exact_whatever_the_largest_relative_error(spread, chunk):
+    """The ratio counts skip a pass when a chunk's largest relative error is within a ratio;
+    the counts equal the reference's in every case, with 0/0 counting as within and x/0 not."""
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal(257)
+    b = a * (1 + rng.uniform(-spread, spread, a.shape))
+    a[[5, 6, 70]] = 0.0
+    b[[5, 6]] = 0.0      # 0 vs 0: within
+    b[70] = 1e-30        # 0 vs tiny: relative error inf
+    m = tensor_metrics(a, b, chunk=chunk)
+    for key, value in _reference(a, b).items():
+        assert getattr(m, key) == pytest.approx(value, rel=1e-12, abs=1e-15), key
+    assert m.max_rel_err == math.inf
+
+
+def test_metrics_all_zero_chunks_and_large_values():
+    z = np.zeros(10)
+    assert tensor_metrics(z, z, chunk=3).one_thousandth_ratio == 1.0
+    a = np.array([1e300, -1e300, 5.0])
+    b = np.array([1e300, -1e300, 5.0])
+    m = tensor_metrics(a, b)
+    assert (m.max_abs_err, m.max_rel_err, m.one_thousandth_ratio, m.nonfinite_mismatch) == (0.0, 0.0, 1.0, 0)
+
+
+def test_open_tensor_maps_pt_and_npy_and_keeps_the_checks(tmp_path):
+    from msprobe_engine.dump.reader import DumpError, load_dump
+    from msprobe_engine.dump.schema import iter_tensors
+
+    rank_dir = tmp_path / "dump" / "step0" / "rank0"
+    names = {"Torch.a.0.forward": "bf.pt", "Torch.b.0.forward": "legacy.pt", "Torch.c.0.forward": "x.npy",
+             "Torch.d.0.forward": "link.pt"}
+    write_dump_json(rank_dir, {entry: {"output": [stat_record(1.0, 0.0, 0.5, 1.0, data_name=name)]}
+                               for entry, name in names.items()}, task="tensor")
+    tdir = rank_dir / "dump_tensor_data"
+    tdir.mkdir()
+    torch.save(torch.tensor([1.5, 2.0], dtype=torch.bfloat16), tdir / "bf.pt")
+    torch.save(torch.arange(3), tdir / "legacy.pt", _use_new_zipfile_serialization=False)
+    np.save(tdir / "x.npy", np.arange(4, dtype=np.int16))
+    torch.save(torch.zeros(2), tmp_path / "outside.pt")
+    (tdir / "link.pt").symlink_to(tmp_path / "outside.pt")
+    dump = load_dump(rank_dir)[(0, 0)]
+    refs = {entry: next(iter_tensors(entry, dump.data[entry])) for entry in names}
+    bf = dump.open_tensor(refs["Torch.a.0.forward"])
+    assert isinstance(bf, torch.Tensor) and bf.dtype == torch.bfloat16 and bf.tolist() == [1.5, 2.0]
+    assert dump.open_tensor(refs["Torch.b.0.forward"]).tolist() == [0, 1, 2]  # legacy format: read, not mapped
+    npy = dump.open_tensor(refs["Torch.c.0.forward"])
+    assert isinstance(npy, np.memmap) and npy.tolist() == [0, 1, 2, 3]
+    with pytest.raises(DumpError, match="resolves outside dump_tensor_data/"):
+        dump.open_tensor(refs["Torch.d.0.forward"])
+    # load_tensor still gives numpy arrays in memory
+    assert dump.load_tensor(refs["Torch.a.0.forward"]).dtype == np.float32
+
+
+def test_tensor_compare_of_bfloat16_dumps(tmp_path):
+    """A tensor dump holding bfloat16 .pt files compares through the torch path."""
+    for side, scale in (("a", 1.0), ("b", 1.0 + 2**-7)):
+        rank_dir = tmp_path / side / "step0" / "rank0"
+        t = torch.linspace(-3, 3, 40, dtype=torch.bfloat16).reshape(4, 10) * scale
+        rec = stat_record(t.max().item(), t.min().item(), t.float().mean().item(), t.float().norm().item(),
+                          data_name="Torch.mul.0.forward.output.0.pt")
+        rec.update(dtype="torch.bfloat16", shape=[4, 10])
+        write_dump_json(rank_dir, {"Torch.mul.0.forward": {"output": [rec]}}, task="tensor")
+        (rank_dir / "dump_tensor_data").mkdir()
+        torch.save(t, rank_dir / "dump_tensor_data" / rec["data_name"])
+    (row,) = compare_dumps(tmp_path / "a", tmp_path / "b").rows
+    a = torch.load(tmp_path / "a/step0/rank0/dump_tensor_data/Torch.mul.0.forward.output.0.pt").double().numpy()
+    b = torch.load(tmp_path / "b/step0/rank0/dump_tensor_data/Torch.mul.0.forward.output.0.pt").double().numpy()
+    for key, value in _reference(a, b).items():
+        assert row[key] == pytest.approx(value, rel=1e-12), key
+
+
+def test_npy_tensor_dump_compares_without_torch(tmp_path):
+    """torch is needed only for .pt files: a .npy tensor dump compares with torch unimportable."""
+    import subprocess
+    import sys
+
+    for side, scale in (("a", 1.0), ("b", 1.0001)):
+        x = np.arange(12, dtype=np.float32).reshape(3, 4) * np.float32(scale)
+        rec = stat_record(float(x.max()), float(x.min()), float(x.mean()), float(np.linalg.norm(x)),
+                          shape=[3, 4], data_name="t.npy")
+        rank_dir = write_dump_json(tmp_path / side, {"Torch.x.0.forward": {"output": [rec]}}, task="tensor")
+        (rank_dir / "dump_tensor_data").mkdir()
+        np.save(rank_dir / "dump_tensor_data" / "t.npy", x)
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from msprobe_engine.analysis import compare_dumps\n"
+            f"(row,) = compare_dumps({str(tmp_path / 'a')!r}, {str(tmp_path / 'b')!r}).rows\n"
+            "print(row['status'], row['max_rel_err'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[0] == "pass" and float(out[1]) == pytest.approx(1e-4, rel=1e-2)

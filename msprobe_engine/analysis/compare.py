@@ -2,8 +2,9 @@
 
 A is the baseline, B the target: differences are B - A, relative errors |B - A| / |A|.
 Statistics dumps compare Max/Min/Mean/Norm; tensor dumps (task "tensor" on both sides)
-also load each tensor pair, one pair at a time (so memory holds one pair plus fixed work
-buffers, whatever the dump size), and compute ``metrics.tensor_metrics``.
+also open each tensor pair (memory-mapped, ``RankDump.open_tensor``), one pair at a time, and
+compute ``metrics.tensor_metrics`` over it chunk by chunk, so memory holds one pair plus fixed
+work buffers, whatever the dump size.
 """
 from __future__ import annotations
 
@@ -136,13 +137,14 @@ class _Job:
 
 
 def _load_pair(job: _Job, dump_a: RankDump, dump_b: RankDump, tensor_mode: bool):
-    """The two arrays of a job, None when nothing is to be loaded, or an error message."""
+    """The two tensors (torch tensors or numpy arrays) of a job, None when nothing is to be loaded,
+    or an error message."""
     if not (tensor_mode and job.ref_a and job.ref_b) or job.row["shape_a"] != job.row["shape_b"]:
         return None
     try:
         arrays = []
         for dump, ref in ((dump_a, job.ref_a), (dump_b, job.ref_b)):
-            array = dump.load_tensor(ref)
+            array = dump.open_tensor(ref)
             if list(array.shape) != ref.record.get("shape"):
                 raise DumpError(f"{dump.tensor_file(ref)}: shape {list(array.shape)} differs from "
                                 f"dump.json shape {ref.record.get('shape')} (data[{ref.entry!r}].{ref.label})")

@@ -1,21 +1,26 @@
 """Vectorised comparison metrics of two tensors and of two sets of dump statistics.
 
-Tensors are walked in fixed-size chunks converted to float64 into reused buffers, so the extra
-memory is a few chunks whatever the tensor size. nan/inf positions are compared by class (nan with nan,
-+inf with +inf): a differing class counts in ``nonfinite_mismatch``; the other metrics use
-the positions where both values are finite.
+Tensors are walked in fixed-size chunks copied into reused float64 work buffers (so the extra
+memory is a few chunks whatever the tensor size), and every metric is computed from those
+float64 values: the products of float32 (or narrower) values are exact in float64 and the sums
+accumulate in float64, so the results agree with a float64 reference to rounding.
+The inputs may be numpy arrays or torch tensors (any dtype torch or numpy can cast to float64:
+bfloat16 and float16 are converted chunk by chunk, never as a whole); torch is not imported here.
+nan/inf positions are compared by class (nan with nan, +inf with +inf): a differing class counts
+in ``nonfinite_mismatch``; the other metrics use the positions where both values are finite.
 """
 from __future__ import annotations
 
 import math
 import threading
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
 from msprobe_engine.dump.schema import STAT_KEYS
 
-CHUNK = 1 << 16
+CHUNK = 1 << 18  # elements; 3 float64 buffers of 2 MiB and a 256 KiB mask per thread
 THOUSANDTH = 0.001
 FIVE_THOUSANDTH = 0.005
 
@@ -44,53 +49,55 @@ def relative_error(a: float, b: float) -> float:
     return math.inf if a == 0 else diff / abs(a)
 
 
-class _Sums:
-    """Running sums over chunks, computed in float64 work buffers reused across chunks
-    (allocated once per chunk size and thread, so the loop does not allocate)."""
+class _Buffers:
+    """Three float64 rows (a, b, b - a) and a bool row of one chunk, with torch views of the
+    float rows made on first use by a torch input. One set per chunk size and thread."""
 
-    _buffers = threading.local()
+    _local = threading.local()
 
     def __init__(self, chunk: int) -> None:
+        self.f64 = np.empty((3, chunk))
+        self.mask = np.empty(chunk, bool)
+        self.torch_f64 = None
+
+    @classmethod
+    def get(cls, chunk: int) -> _Buffers:
+        cached = getattr(cls._local, "by_size", None)
+        if cached is None or chunk not in cached:
+            cached = cls._local.by_size = {chunk: cls(chunk)}  # keep one size only: bounded memory
+        return cached[chunk]
+
+
+def _is_torch(x: Any) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+class _Sums:
+    """Running sums and extremes over chunks."""
+
+    def __init__(self, buffers: _Buffers) -> None:
         self.aa = self.bb = self.ab = self.dd = 0.0
         self.max_abs = self.max_rel = 0.0
         self.within1 = self.within5 = self.mismatch = 0
-        cached = getattr(self._buffers, "by_size", {})
-        if chunk not in cached:
-            cached = self._buffers.by_size = {chunk: ([np.empty(chunk) for _ in range(4)], np.empty(chunk, bool))}
-        self._f64, self._mask = cached[chunk]
+        self.buf = buffers
 
-    def _add_finite(self, a: np.ndarray, b: np.ndarray, aa: float, bb: float) -> None:
-        """Add float64 chunks holding finite values only (``a`` and ``b`` are overwritten)."""
-        n = a.size
-        if n == 0:
-            return
-        d, t, m = self._f64[2][:n], self._f64[3][:n], self._mask[:n]
-        np.subtract(b, a, out=d)
-        self.aa += aa
-        self.bb += bb
-        self.ab += float(np.dot(a, b))
-        self.dd += float(np.dot(d, d))
-        np.abs(d, out=d)
-        np.abs(a, out=a)
-        self.max_abs = max(self.max_abs, float(d.max()))
-        for ratio, attr in ((THOUSANDTH, "within1"), (FIVE_THOUSANDTH, "within5")):
-            np.multiply(a, ratio, out=t)
-            np.less_equal(d, t, out=m)
-            setattr(self, attr, getattr(self, attr) + int(np.count_nonzero(m)))
-        with np.errstate(divide="ignore", invalid="ignore"):
-            np.divide(d, a, out=t)  # 0/0 -> nan (ignored by fmax), x/0 -> inf
-        rel = float(np.fmax.reduce(t))
-        if not math.isnan(rel):
-            self.max_rel = max(self.max_rel, rel)
+    def add_chunk(self, a_in: Any, b_in: Any) -> None:
+        """Add one chunk (numpy arrays or 1-D torch tensors of the same length)."""
+        n = len(a_in)
+        a, b = self.buf.f64[0, :n], self.buf.f64[1, :n]
+        if _is_torch(a_in):
+            if self.buf.torch_f64 is None:
+                import torch  # already imported by whoever made the tensor
 
-    def add_chunk(self, a_in: np.ndarray, b_in: np.ndarray) -> None:
-        n = a_in.size
-        a, b = self._f64[0][:n], self._f64[1][:n]
-        np.copyto(a, a_in, casting="unsafe")
-        np.copyto(b, b_in, casting="unsafe")
+                self.buf.torch_f64 = torch.from_numpy(self.buf.f64)
+            self.buf.torch_f64[0, :n].copy_(a_in)
+            self.buf.torch_f64[1, :n].copy_(b_in)
+        else:
+            np.copyto(a, a_in, casting="unsafe")
+            np.copyto(b, b_in, casting="unsafe")
         aa, bb = float(np.dot(a, a)), float(np.dot(b, b))
         if math.isfinite(aa) and math.isfinite(bb):  # no nan/inf in the chunk
-            self._add_finite(a, b, aa, bb)
+            self._add_finite(a, b, self.buf.f64[2, :n], aa, bb)
             return
         finite = np.isfinite(a) & np.isfinite(b)
         same_class = (a == b) | (np.isnan(a) & np.isnan(b))
@@ -99,7 +106,37 @@ class _Sums:
         self.within1 += equal_nonfinite
         self.within5 += equal_nonfinite
         a, b = a[finite], b[finite]
-        self._add_finite(a, b, float(np.dot(a, a)), float(np.dot(b, b)))
+        self._add_finite(a, b, self.buf.f64[2, :a.size], float(np.dot(a, a)), float(np.dot(b, b)))
+
+    def _add_finite(self, a: np.ndarray, b: np.ndarray, d: np.ndarray, aa: float, bb: float) -> None:
+        """Add float64 chunks of finite values (``a``, ``b`` and ``d`` are overwritten)."""
+        n = a.size
+        if n == 0:
+            return
+        np.subtract(b, a, out=d)
+        self.aa += aa
+        self.bb += bb
+        self.ab += float(np.dot(a, b))
+        self.dd += float(np.dot(d, d))
+        np.abs(d, out=d)
+        np.abs(a, out=a)
+        self.max_abs = max(self.max_abs, float(d.max()))
+        rel = b  # b is no longer needed: rel = |b - a| / |a|, 0/0 -> nan (equal values), x/0 -> inf
+        with np.errstate(divide="ignore", invalid="ignore"):
+            np.divide(d, a, out=rel)
+        top = float(np.fmax.reduce(rel))  # nan only where both are 0, which fmax skips
+        if top != top:  # every element 0/0: a == b == 0 throughout
+            self.within1 += n
+            self.within5 += n
+            return
+        self.max_rel = max(self.max_rel, top)
+        # within a ratio <=> not (rel > ratio): nan (0/0) counts as within, as it should.
+        # A ratio at or above the chunk's largest rel needs no pass: every element is within.
+        outside1 = 0 if top <= THOUSANDTH else int(np.count_nonzero(np.greater(rel, THOUSANDTH, out=self.buf.mask[:n])))
+        outside5 = 0 if top <= FIVE_THOUSANDTH or outside1 == 0 else \
+            int(np.count_nonzero(np.greater(rel, FIVE_THOUSANDTH, out=self.buf.mask[:n])))
+        self.within1 += n - outside1
+        self.within5 += n - outside5
 
 
 def _cosine(aa: float, bb: float, ab: float) -> float:
@@ -110,19 +147,25 @@ def _cosine(aa: float, bb: float, ab: float) -> float:
     return max(-1.0, min(1.0, ab / math.sqrt(aa * bb)))
 
 
-def tensor_metrics(a: np.ndarray, b: np.ndarray, chunk: int = CHUNK) -> TensorMetrics:
+def _flat(x: Any) -> Any:
+    if _is_torch(x):
+        return x.reshape(-1)  # a view when contiguous (a loaded tensor is)
+    return np.ravel(x)
+
+
+def tensor_metrics(a: Any, b: Any, chunk: int = CHUNK) -> TensorMetrics:
     """Compare target ``b`` with baseline ``a`` (same number of elements; any numeric or bool dtype).
 
-    Two all-zero tensors have cosine 1, one all-zero tensor against another tensor cosine 0;
-    an empty pair compares as identical.
+    ``a`` and ``b`` are numpy arrays or torch tensors (CPU). Two all-zero tensors have cosine 1,
+    one all-zero tensor against another tensor cosine 0; an empty pair compares as identical.
     """
-    flat_a, flat_b = np.ravel(a), np.ravel(b)
-    if flat_a.size != flat_b.size:
-        raise ValueError(f"element counts differ: {flat_a.size} vs {flat_b.size}")
-    sums = _Sums(chunk)
-    for start in range(0, flat_a.size, chunk):
+    flat_a, flat_b = _flat(a), _flat(b)
+    n = len(flat_a)
+    if n != len(flat_b):
+        raise ValueError(f"element counts differ: {n} vs {len(flat_b)}")
+    sums = _Sums(_Buffers.get(chunk))
+    for start in range(0, n, chunk):
         sums.add_chunk(flat_a[start:start + chunk], flat_b[start:start + chunk])
-    n = flat_a.size
     return TensorMetrics(
         cosine=_cosine(sums.aa, sums.bb, sums.ab),
         max_abs_err=sums.max_abs,

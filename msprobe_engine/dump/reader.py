@@ -1,12 +1,16 @@
 """Load dump directories: ``dump_path/step{N}/rank{R}/{dump.json, stack.json, construct.json, dump_tensor_data/}``.
 
-Tensors are loaded one at a time on request (``RankDump.load_tensor``): ``.pt`` through
-``torch.load(weights_only=True)`` (torch imported only then), ``.npy`` with ``allow_pickle=False``.
+Tensors are loaded one at a time on request: ``.pt`` through ``torch.load(weights_only=True)``
+(torch imported only then), ``.npy`` with ``allow_pickle=False``. ``RankDump.load_tensor`` gives a
+numpy array in memory; ``RankDump.open_tensor`` (used by compare) maps the file instead
+(``torch.load(mmap=True)``, ``np.load(mmap_mode="r")``) and keeps torch tensors as they are.
 """
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +55,7 @@ class RankDump:
     meta: dict[str, Any]
     data: dict[str, Any]
     problems: list[str] = field(default_factory=list)
+    _tensor_base: Path | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def task(self) -> str:
@@ -83,7 +88,15 @@ class RankDump:
         rel = Path(name)
         if rel.is_absolute() or ".." in rel.parts:
             raise DumpError(f"{where}: data_name {name!r} must be a plain name inside {TENSOR_DIR}/")
-        base = (self.path / TENSOR_DIR).resolve()
+        if self._tensor_base is None:
+            self._tensor_base = (self.path / TENSOR_DIR).resolve()
+        base = self._tensor_base
+        if len(rel.parts) == 1:  # the usual case: a regular file (not a link) right in base is inside
+            try:
+                if stat.S_ISREG(os.lstat(base / rel).st_mode):
+                    return base / rel
+            except OSError:
+                pass  # missing, or not readable: the full check below says which
         file = (base / rel).resolve()
         if base != file and base not in file.parents:
             raise DumpError(f"{where}: data_name {name!r} resolves outside {TENSOR_DIR}/ (to {file})")
@@ -93,25 +106,48 @@ class RankDump:
 
     def load_tensor(self, ref: TensorRef) -> np.ndarray:
         """Load one tensor as a numpy array (bfloat16 and other types numpy lacks become float32)."""
+        return self._load(ref, mapped=False)
+
+    def open_tensor(self, ref: TensorRef) -> Any:
+        """One tensor for reading once, as compare does: a ``.pt`` file gives the torch tensor
+        (its dtype kept, bfloat16 included) loaded with ``torch.load(weights_only=True, mmap=True)``,
+        so the data is paged in from the file as it is read rather than copied up front; a
+        ``.npy`` file gives a read-only ``np.load(mmap_mode="r", allow_pickle=False)`` array.
+        The same checks as ``load_tensor`` apply."""
+        return self._load(ref, mapped=True)
+
+    def _load(self, ref: TensorRef, mapped: bool) -> Any:
         file = self.tensor_file(ref)
         where = f"{file} (data[{ref.entry!r}].{ref.label})"
         try:
             if file.suffix == ".npy":
-                return np.load(file, allow_pickle=False)
+                return np.load(file, mmap_mode="r" if mapped else None, allow_pickle=False)
             if file.suffix == ".pt":
-                return _load_pt(file)
+                return _load_pt(file, mapped)
         except Exception as e:  # torch.load/np.load raise many types for a corrupt or foreign file
             raise DumpError(f"{where}: cannot load tensor: {type(e).__name__}: {str(e).splitlines()[0]}") from None
         raise DumpError(f"{where}: unknown tensor file type {file.suffix!r} (expected .pt or .npy)")
 
 
-def _load_pt(file: Path) -> np.ndarray:
+def _load_pt(file: Path, mapped: bool = False) -> Any:
+    """A .pt file through ``torch.load(weights_only=True)``: a numpy array, or with ``mapped`` the
+    torch tensor itself, memory-mapped (files of the legacy, non-zip format are read instead)."""
     import torch  # lazy: only tensor dumps written by PyTorch need it
 
-    obj = torch.load(file, map_location="cpu", weights_only=True)
+    if mapped:
+        try:
+            obj = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "zipfile" not in str(e):  # only the legacy format cannot be mapped
+                raise
+            obj = torch.load(file, map_location="cpu", weights_only=True)
+    else:
+        obj = torch.load(file, map_location="cpu", weights_only=True)
     if not isinstance(obj, torch.Tensor):
         raise ValueError(f"holds a {type(obj).__name__}, not a tensor")
     obj = obj.detach().resolve_conj().resolve_neg()
+    if mapped:
+        return obj
     try:
         return obj.numpy()
     except TypeError:  # bfloat16, float8: types numpy lacks
