@@ -101,12 +101,12 @@ class CellHooks:
         self.fired = False
         self.handles: list = [net.register_forward_pre_hook(jit_safe(self._root_pre_hook))]
         self.paths: list[str] = []
+        names = dict(net.cells_and_names())
+        if monitor.graph is not None:  # cell classes, for incidents (parameter gradients need them too)
+            monitor.graph.classes.update((path, type(cell).__name__) for path, cell in names.items())
         if not (self.inputs or self.outputs or self.grads):
             return
         wanted = ModuleFilter(monitor.config.modules)
-        names = dict(net.cells_and_names())
-        if monitor.graph is not None:  # cell classes, for incidents
-            monitor.graph.classes.update((path, type(cell).__name__) for path, cell in names.items())
         for path, cell in names.items():
             if path and wanted(path, type(cell).__name__):  # the root's output is the loss or the logits
                 self.paths.append(path)

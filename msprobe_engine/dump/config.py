@@ -21,7 +21,7 @@ from typing import Any, Union
 
 from msprobe_engine.config.errors import ConfigError
 from msprobe_engine.config.loader import read_file
-from msprobe_engine.dump.schema import parse_entry_name
+from msprobe_engine.dump.schema import FRAMEWORKS, parse_entry_name
 
 TASKS = ("statistics", "tensor")
 LEVELS = ("L0", "L1", "mix")
@@ -142,8 +142,9 @@ def _unknown(path: str, allowed: tuple[str, ...], key: str | None = None) -> Non
 
 
 def _reject_unsupported(data: dict) -> None:
-    if data.get("framework", "pytorch") != "pytorch":
-        raise ConfigError(f"framework: {data['framework']!r} is not supported here; this dump is for 'pytorch'")
+    if data.get("framework", "pytorch") not in FRAMEWORKS:
+        raise ConfigError(f"framework: {data['framework']!r} is not supported; use one of {', '.join(FRAMEWORKS)} "
+                          "(the session's framework decides; this key is only checked)")
     for key in ("enable_dataloader", "is_deterministic"):
         if data.get(key, False) is not False:
             raise ConfigError(f"{key}: only false is supported (call start/stop/step yourself), "

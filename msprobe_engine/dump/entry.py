@@ -5,11 +5,14 @@ with a `TensorSlot` where a tensor was (its dtype, shape, the row of its statist
 step's packed statistics, its data_name). Non-tensor values are described at once, as the
 predecessor does (``{"type": "int", "value": 3}``; unknown objects as ``{}``). After the
 step's one transfer, `render` turns a skeleton into the JSON record, field for field as in
-the reference: ``type, dtype, shape, Max, Min, Mean, Norm, requires_grad[, md5][, data_name]``.
+the reference: ``type, dtype, shape, Max, Min, Mean, Norm, requires_grad[, md5][, data_name]``
+(PyTorch), ``type, dtype, shape, Max, Min, Mean, Norm[, md5][, data_name]`` (MindSpore): the
+`DumpFormat` of the dump's framework says which.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -23,6 +26,23 @@ UNHANDLED = object()
 
 Leaf = Callable[[Any, str], Any]
 _PLAIN = (bool, int, float, str)
+
+
+@dataclass(frozen=True, slots=True)
+class DumpFormat:
+    """What a framework's dump.json looks like: the tensor records' ``type``, whether they carry
+    ``requires_grad``, the module prefix (``Module``/``Cell``) and the tensor files' suffix."""
+    framework: str
+    tensor_type: str
+    requires_grad: bool
+    module_prefix: str
+    tensor_suffix: str
+
+
+FORMATS: dict[str, DumpFormat] = {
+    "pytorch": DumpFormat("pytorch", "torch.Tensor", True, "Module", ".pt"),
+    "mindspore": DumpFormat("mindspore", "mindspore.Tensor", False, "Cell", ".npy"),
+}
 
 
 class TensorSlot:
@@ -75,17 +95,20 @@ def plain_value(value: Any) -> dict[str, Any] | None:
 
 
 class StatColumns:
-    """Max/Min/Mean/Norm per packed row, from the step's host rows (one finalize for all)."""
+    """Max/Min/Mean/Norm per packed row, from the step's host rows (one finalize for all),
+    rendered as records of the dump format `fmt` (PyTorch's by default)."""
 
-    def __init__(self, host_rows: np.ndarray) -> None:
+    def __init__(self, host_rows: np.ndarray, fmt: DumpFormat = FORMATS["pytorch"]) -> None:
+        self.fmt = fmt
         stats = finalize(host_rows) if len(host_rows) else {k: np.empty(0) for k in ("max", "min", "mean", "norm")}
         self.max, self.min = stats["max"].tolist(), stats["min"].tolist()
         self.mean, self.norm = stats["mean"].tolist(), stats["norm"].tolist()
 
     def record(self, slot: TensorSlot) -> dict[str, Any]:
-        rec: dict[str, Any] = {"type": "torch.Tensor", "dtype": slot.dtype, "shape": slot.shape}
+        rec: dict[str, Any] = {"type": self.fmt.tensor_type, "dtype": slot.dtype, "shape": slot.shape}
         rec.update(self._values(slot))
-        rec["requires_grad"] = slot.requires_grad
+        if self.fmt.requires_grad:
+            rec["requires_grad"] = slot.requires_grad
         if slot.md5 is not None:
             rec["md5"] = slot.md5
         if slot.data_name is not None:
@@ -115,8 +138,8 @@ def render(skeleton: Any, columns: StatColumns) -> Any:
     return skeleton
 
 
-def render_entries(entries: dict[str, Any], host_rows: np.ndarray) -> dict[str, Any]:
-    """Render every entry of a step (``data`` of dump.json), keeping their order."""
-    columns = StatColumns(host_rows)
+def render_entries(entries: dict[str, Any], host_rows: np.ndarray, framework: str = "pytorch") -> dict[str, Any]:
+    """Render every entry of a step (``data`` of dump.json) in `framework`'s format, keeping their order."""
+    columns = StatColumns(host_rows, FORMATS[framework])
     return {name: render(skeleton, columns) for name, skeleton in entries.items()}
 

@@ -17,11 +17,8 @@ import logging
 import os
 import sys
 import threading
-import zlib
-from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 from msprobe_engine.collect.flatten import iter_tensors
@@ -31,6 +28,7 @@ from msprobe_engine.dump.config import DumpConfig
 from msprobe_engine.dump.entry import UNHANDLED, TensorSlot, describe
 from msprobe_engine.dump.select import Selection, Want
 from msprobe_engine.dump.stat_buffer import StatBuffer
+from msprobe_engine.dump.writer import StepData, array_crc32
 
 log = logging.getLogger("msprobe_engine")
 
@@ -40,15 +38,6 @@ TENSOR_BATCH_BYTES = 16 << 20
 TENSOR_BATCH_COUNT = 64
 
 TensorItems = list[tuple[TensorSlot, torch.Tensor]]
-
-
-@dataclass
-class StepData:
-    """Everything one step leaves for the writer thread."""
-    entries: dict[str, Any]
-    construct: dict[str, str | None]
-    stacks: dict[str, list[tuple[str, int, str]]] | None
-    host_rows: np.ndarray
 
 
 class _Call:
@@ -398,4 +387,4 @@ def tensor_crc32(tensor: torch.Tensor) -> str:
     """The predecessor's "md5" value: CRC-32 of the tensor's bytes (bfloat16 as float32), 8 hex digits."""
     if tensor.dtype == torch.bfloat16:
         tensor = tensor.float()
-    return f"{zlib.crc32(np.ascontiguousarray(tensor.numpy())):08x}"
+    return array_crc32(tensor.numpy())

@@ -35,7 +35,13 @@ log = logging.getLogger("msprobe_engine")
 
 
 class PrecisionDebugger:
-    """A dump session; see the module docstring. `current_step` counts `step()` calls."""
+    """A dump session; see the module docstring. `current_step` counts `step()` calls.
+
+    The framework layer is `_setup`, `_hook_model`, `_activate`/`_deactivate` and
+    `_tensor_writers` (MindSpore: `msprobe_engine.dump.mindspore_session`)."""
+
+    #: dump.json's ``framework`` (and so its record format, see `dump.entry.FORMATS`)
+    framework = "pytorch"
 
     def __init__(self, config: DumpConfigSource = None, *, config_path: str | Path | None = None,
                  model: Any = None, **overrides: Any) -> None:
@@ -180,13 +186,17 @@ class PrecisionDebugger:
         """Called by the recorder with tensor copies to save and/or checksum on the writer thread."""
         if self._incomplete:
             return
-        from msprobe_engine.dump.recorder import tensor_crc32
-
-        save = _torch_save if self.config.task == "tensor" else None
-        checksum = tensor_crc32 if self.config.summary_mode == "md5" else None
+        save, checksum = self._tensor_writers()
         job = partial(self._step_files().write_tensors, items, save, checksum)
         if not self.writer.submit(job, "dump tensors"):
             self._incomplete = True
+
+    def _tensor_writers(self) -> tuple[Any, Any]:
+        """(save a tensor copy to a path, or None; its checksum, or None) as the config asks."""
+        from msprobe_engine.dump.recorder import tensor_crc32
+
+        return (_torch_save if self.config.task == "tensor" else None,
+                tensor_crc32 if self.config.summary_mode == "md5" else None)
 
     def _commit(self) -> None:
         try:
@@ -201,7 +211,7 @@ class PrecisionDebugger:
             if data is None or self._incomplete:
                 self._drop(files, "its tensors did not fit in the writer queue" if data else "an error")
             else:
-                meta = {"task": self.config.task, "level": self.config.level, "framework": "pytorch",
+                meta = {"task": self.config.task, "level": self.config.level, "framework": self.framework,
                         "dump_data_dir": None}
                 if not self.writer.submit(partial(self._write_step, files, meta, data), "dump step"):
                     self._drop(files, "the writer queue was full")

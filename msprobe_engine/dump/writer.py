@@ -11,6 +11,8 @@ import json
 import linecache
 import os
 import shutil
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -21,6 +23,15 @@ from msprobe_engine.dump.reader import CONSTRUCT_JSON, DUMP_JSON, STACK_JSON, TE
 
 #: a raw call stack: (file, line, function) per frame, innermost last
 Frames = Sequence[tuple[str, int, str]]
+
+
+@dataclass
+class StepData:
+    """Everything one step leaves for the writer thread (any framework's recorder)."""
+    entries: dict[str, Any]
+    construct: dict[str, str | None]
+    stacks: dict[str, list[tuple[str, int, str]]] | None
+    host_rows: np.ndarray
 
 
 def rank_dir_name(rank: int | None) -> str:
@@ -39,6 +50,11 @@ def format_stack(frames: Frames) -> list[str]:
     """Frames as the predecessor writes them: ``File <path>, line <n>, in <func>, \\n <code>``."""
     return [f"File {file}, line {line}, in {func}, \n {linecache.getline(file, line).strip()}"
             for file, line, func in frames]
+
+
+def array_crc32(array: np.ndarray) -> str:
+    """The predecessor's "md5" value of a host copy: CRC-32 of its bytes, 8 hex digits."""
+    return f"{zlib.crc32(np.ascontiguousarray(array)):08x}"
 
 
 def write_file(path: Path, text: str) -> None:
@@ -86,7 +102,7 @@ class StepFiles:
         self._prepare()
         if meta.get("task") == "tensor":
             meta = {**meta, "dump_data_dir": str((self.final / TENSOR_DIR).resolve())}
-        write_file(self.partial / DUMP_JSON, dump_json_text(meta, render_entries(entries, host_rows)))
+        write_file(self.partial / DUMP_JSON, dump_json_text(meta, render_entries(entries, host_rows, meta.get("framework", "pytorch"))))
         if stacks is not None:
             stack_doc = {name: format_stack(frames) for name, frames in stacks.items()}
             write_file(self.partial / STACK_JSON, json.dumps(stack_doc, indent=1))

@@ -13,13 +13,15 @@ So `analyze` finds in it the same first culprit as the incident, forward and bac
 
 The rows of all micro-steps are merged (``forward.<n>`` is the n-th call within a micro-step);
 dtype and shape are those of the last micro-step. Parameters, optimizer state and the loss
-have no place in this format; they are in the incident's metrics.jsonl.
+have no place in this format; they are in the incident's metrics.jsonl. The records follow the
+monitored framework's format (`dump.entry.FORMATS`): MindSpore's are ``Cell.`` entries of
+``mindspore.Tensor`` records without ``requires_grad``.
 """
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-from msprobe_engine.dump.entry import TensorSlot, render_entries
+from msprobe_engine.dump.entry import FORMATS, TensorSlot, render_entries
 from msprobe_engine.incident.graph import INPUT_GRAD_KIND, INPUT_KIND, CallGraph, call_index, module_path
 from msprobe_engine.stats import P_NUMEL
 from msprobe_engine.stats.table import MetricKey, StatTable
@@ -29,8 +31,9 @@ TensorMeta = tuple[Any, Sequence[int], bool]
 
 
 def entry_name(prefix: str, path: str, cls: str | None, *tail: str) -> str:
-    """``Module.<path>.<Class>.<tail...>`` (the root module's own entries omit the path)."""
-    return ".".join([prefix, *([path] if path else []), cls or "Module", *tail])
+    """``Module.<path>.<Class>.<tail...>`` (the root module's own entries omit the path); an
+    unknown class is written as the prefix (``Module``, ``Cell``)."""
+    return ".".join([prefix, *([path] if path else []), cls or prefix, *tail])
 
 
 def call_entry_name(prefix: str, call: str, cls: str | None, phase: str) -> str:
@@ -39,9 +42,11 @@ def call_entry_name(prefix: str, call: str, cls: str | None, phase: str) -> str:
 
 
 def stats_dump(table: StatTable, graph: CallGraph | None, meta: dict[MetricKey, TensorMeta],
-               prefix: str = "Module") -> dict[str, Any]:
-    """The rendered ``data`` of dump.json for one step's statistics (`graph`: see `CallGraph`)."""
-    return render_entries(_Builder(table, graph or CallGraph(), meta, prefix).entries(), table.partials)
+               framework: str = "pytorch") -> dict[str, Any]:
+    """The rendered ``data`` of dump.json for one step's statistics (`graph`: see `CallGraph`),
+    in the format of `framework` (``pytorch`` or ``mindspore``)."""
+    prefix = FORMATS[framework].module_prefix
+    return render_entries(_Builder(table, graph or CallGraph(), meta, prefix).entries(), table.partials, framework)
 
 
 class _Builder:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from msprobe_engine.dump.entry import FORMATS
 from msprobe_engine.dump.reader import DUMP_JSON
 from msprobe_engine.dump.writer import rank_dir_name
 from msprobe_engine.incident.culprit import Culprit, first_culprit, non_finite_rows
@@ -108,7 +109,7 @@ class IncidentRecorder:
                 continue
             bad = non_finite_rows(table) if rule == "non_finite" else fold > self._spike_factor
             incident = self._incident(step, table, events, firing, first_culprit(table, bad, graph), fold)
-            dump = partial(stats_dump, table, graph, dict(monitor.tensor_meta), self._prefix())
+            dump = partial(stats_dump, table, graph, dict(monitor.tensor_meta), self._framework())
             self._submit(incident, partial(incident.files.write_evidence, self._records(step, table, events),
                                            self._dump_path(step), self._dump_meta(), dump))
             self.incidents.append(incident)
@@ -166,7 +167,7 @@ class IncidentRecorder:
         return "mindspore" if "mindspore" in getattr(self.monitor.backend, "__name__", "") else "pytorch"
 
     def _prefix(self) -> str:
-        return "Cell" if self._framework() == "mindspore" else "Module"
+        return FORMATS[self._framework()].module_prefix
 
     def _dump_meta(self) -> dict[str, Any]:
         return {"task": "statistics", "level": "L0", "framework": self._framework(), "dump_data_dir": None}

@@ -1,0 +1,70 @@
+"""The MindSpore dump's Cell hooks (L0, PyNative): which Cells, under which names, which hooks.
+
+Every sub-Cell of the net (not the net itself, as PyTorch's dump leaves out the root module)
+is named ``Cell.<path>.<Class>`` and gets a forward pre-hook and a forward hook, and, when
+backward data is dumped, a backward hook (``hook(cell, grad_input, grad_output)``: the
+gradients of the Cell's inputs and of its outputs). A forward hook on the net itself marks
+the end of each forward pass (the recorder measures the pass's tensors there, before an
+optimizer can change the parameters). Hooks are `jit_safe`: inside `mindspore.jit` and in
+GRAPH_MODE they compile to nothing (no Cell hook runs there).
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from mindspore import Parameter, nn
+
+from msprobe_engine.collect.mindspore_cells import jit_safe
+
+if TYPE_CHECKING:
+    from msprobe_engine.dump.mindspore_recorder import CellRecorder
+
+PREFIX = "Cell"
+
+
+def cell_keys(net: nn.Cell) -> dict[str, nn.Cell]:
+    """``Cell.<path>.<Class>`` -> Cell, for every sub-Cell of `net` the dump hooks."""
+    return {f"{PREFIX}.{path}.{type(cell).__name__}": cell for path, cell in net.cells_and_names() if path}
+
+
+def own_parameters(cell: nn.Cell) -> list[tuple[str, Parameter]]:
+    """The Cell's own parameters (not its children's), by their local names."""
+    return list(cell.parameters_and_names(expand=False))
+
+
+def parameter_owners(net: nn.Cell) -> dict[int, tuple[str, str]]:
+    """id(parameter) -> (``Cell.<path>.<Class>`` of the sub-Cell holding it, its local name)."""
+    return {id(p): (key, name) for key, cell in cell_keys(net).items() for name, p in own_parameters(cell)}
+
+
+class DumpCellHooks:
+    """The dump's hooks on one net; `remove()` takes them off."""
+
+    def __init__(self, recorder: "CellRecorder", net: nn.Cell, backward: bool) -> None:
+        self.handles: list[Any] = [net.register_forward_hook(jit_safe(self._root_end))]
+        self.recorder = recorder
+        for key, cell in cell_keys(net).items():
+            params = own_parameters(cell)
+            self.handles.append(cell.register_forward_pre_hook(jit_safe(partial(self._begin, key))))
+            self.handles.append(cell.register_forward_hook(jit_safe(partial(self._end, key, params)),
+                                                           with_kwargs=True))
+            if backward:
+                self.handles.append(cell.register_backward_hook(jit_safe(partial(self._backward, key))))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def _begin(self, key: str, cell: nn.Cell, args: tuple) -> None:
+        self.recorder.cell_begin(key)
+
+    def _end(self, key: str, params: list, cell: nn.Cell, args: tuple, kwargs: dict, output: Any) -> None:
+        self.recorder.cell_end(key, args, kwargs, output, params)
+
+    def _backward(self, key: str, cell: nn.Cell, grad_input: Any, grad_output: Any) -> None:
+        self.recorder.cell_backward(key, grad_input, grad_output)
+
+    def _root_end(self, cell: nn.Cell, args: tuple, output: Any) -> None:
+        self.recorder.forward_done()

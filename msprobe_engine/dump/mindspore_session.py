@@ -1,0 +1,136 @@
+"""`MindSporePrecisionDebugger`: the dump session for MindSpore (L0, Cell level, PyNative).
+
+::
+
+    debugger = MindSporePrecisionDebugger({"task": "statistics", "dump_path": "./dump", "level": "L0"})
+    grad_fn = ms.value_and_grad(forward, None, optimizer.parameters)
+    for x, y in data:
+        debugger.start(net)
+        loss, grads = grad_fn(x, y)
+        optimizer(grads)
+        debugger.stop()
+        debugger.step(grads)           # the parameter gradients: a tuple in `net.trainable_params()`
+    debugger.close()                   # order (or `params=`), or {parameter name: gradient}
+
+The same config keys and the same session as PyTorch's `PrecisionDebugger` (whose start/stop/
+step/close, writer and atomic step directories it inherits); dump.json is in the reference's
+MindSpore format (``Cell.`` names, ``"type": "mindspore.Tensor"``, dtypes such as ``Float32``,
+no ``requires_grad``), tensors are ``.npy`` files. Statistics are computed by the MindSpore
+backend; torch is never imported. Only level L0 exists for MindSpore (no API-level dump).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from msprobe_engine.config.errors import ConfigError
+from msprobe_engine.dump.session import PrecisionDebugger, _check_names
+from msprobe_engine.dump.writer import array_crc32
+
+log = logging.getLogger("msprobe_engine")
+
+GRAPH_MODE_WARNING = ("msprobe dump: GRAPH_MODE: Cell hooks do not run in a compiled graph, so no Cell "
+                      "entries are dumped; use PYNATIVE_MODE (parameter gradients passed to step() are dumped)")
+
+
+class MindSporePrecisionDebugger(PrecisionDebugger):
+    """A MindSpore dump session; see the module docstring."""
+
+    framework = "mindspore"
+
+    def __init__(self, *args: Any, params: Any = None, **kwargs: Any) -> None:
+        """As `PrecisionDebugger`; `params`: the parameters a gradient tuple given to `step`
+        follows (default: the net's `trainable_params()`)."""
+        super().__init__(*args, **kwargs)
+        if self.config.level != "L0":
+            raise ConfigError(f"level: {self.config.level!r}: the MindSpore dump has level L0 only "
+                              "(Cells); set \"level\": \"L0\"")
+        self._params = list(params) if params is not None else None
+        self._owners: dict[int, tuple[str, str]] = {}
+
+    def step(self, grads: Any = None) -> None:
+        """Close the step; `grads` (optional): its parameter gradients, dumped as parameters_grad."""
+        if grads is not None and self._collected and self._recorder is not None:
+            self._recorder.param_grads(self._named_grads(grads))
+        super().step()
+
+    # ---- the framework layer of PrecisionDebugger ---------------------------------------
+    def _setup(self, model: Any) -> None:
+        from mindspore import nn
+
+        from msprobe_engine.backends import mindspore_backend
+        from msprobe_engine.collect.mindspore_dump_cells import cell_keys
+        from msprobe_engine.dump.mindspore_recorder import CellRecorder
+
+        if not isinstance(model, nn.Cell):
+            raise ConfigError(f"level L0 dumps Cells: pass the net (a mindspore.nn.Cell) to start(net), "
+                              f"got {type(model).__name__}")
+        self.rank, world = _rank_and_world()
+        self.config.check_ranks(world)
+        _check_names(self.config, cell_keys(model), None)
+        self._recorder = CellRecorder(self.config, mindspore_backend, self._emit_tensors)
+        self._hook_model(model)
+
+    def _hook_model(self, model: Any) -> None:
+        import mindspore as ms
+
+        from msprobe_engine.collect.mindspore_dump_cells import DumpCellHooks, parameter_owners
+
+        if ms.get_context("mode") == ms.GRAPH_MODE:
+            log.warning(GRAPH_MODE_WARNING)
+        self._hooks.append(DumpCellHooks(self._recorder, model, backward=self._recorder.sel.backward))
+        self._owners.update(parameter_owners(model))
+        if self._params is None:
+            self._params = list(model.trainable_params())
+        self._hooked.add(id(model))
+
+    def _activate(self) -> None:
+        wanted = self.config.wants_step(self.current_step) and self.config.wants_rank(self.rank or 0)
+        if self._running and wanted and self._recorder is not None:
+            self._recorder.active = self._collected = True
+
+    def _deactivate(self) -> None:
+        if self._recorder is not None:
+            self._recorder.active = False
+
+    def _tensor_writers(self) -> tuple[Any, Any]:
+        return (_save_npy if self.config.task == "tensor" else None,
+                array_crc32 if self.config.summary_mode == "md5" else None)
+
+    # ---- gradients ------------------------------------------------------------------------
+    def _named_grads(self, grads: Any) -> list[tuple[str, str, Any]]:
+        """(``Cell.<path>.<Class>``, local name, gradient) of the gradients of known parameters."""
+        params = self._params or []
+        if isinstance(grads, dict):
+            by_name = {p.name: p for p in params}
+            pairs = [(by_name.get(k), g) for k, g in grads.items()]
+        else:
+            grads = list(grads)
+            if len(grads) != len(params):
+                log.warning("msprobe dump: step() got %d gradients for %d parameters; parameters_grad is not "
+                            "dumped (pass params= to the debugger when grads follow other parameters)",
+                            len(grads), len(params))
+                return []
+            pairs = list(zip(params, grads))
+        return [(*self._owners[id(p)], g) for p, g in pairs if p is not None and id(p) in self._owners]
+
+
+def _save_npy(array: np.ndarray, path: Path) -> None:
+    np.save(path, array, allow_pickle=False)
+
+
+def _rank_and_world() -> tuple[int | None, int]:
+    """(rank, world size): from MindSpore's communication when initialised, else from the
+    launcher's environment (RANK_ID/RANK_SIZE, or RANK/WORLD_SIZE), else (None, 1)."""
+    from mindspore.communication import GlobalComm
+
+    if GlobalComm.INITED:
+        from mindspore.communication import get_group_size, get_rank
+        return get_rank(), get_group_size()
+    world = int(os.environ.get("RANK_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    rank = int(os.environ.get("RANK_ID", os.environ.get("RANK", "0")))
+    return (rank, world) if world > 1 else (None, 1)
