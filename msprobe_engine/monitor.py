@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import math
 import time
@@ -75,6 +76,7 @@ class Monitor:
         self._count_zeros = "zero_frac" in self.config.stats
         self.decide_early = any(r.action != "continue" for r in self.config.alerts)
         self._pending: list[tuple[int, list[MetricKey], Any]] = []
+        self._rows: dict[MetricKey, tuple[Any, int]] = {}  # key -> its last pending row given `same`
         self._early: dict[int, tuple[StatTable, list[AlertEvent]]] = {}
         self._early_micro_steps: dict[int, int] = {}  # an early-decided step's micro-steps, for its record
         self._optimizer_done = False
@@ -127,17 +129,33 @@ class Monitor:
             self.step_end()
         self.micro_steps += 1
 
-    def add_tensors(self, keys: Sequence[MetricKey], tensors: Sequence[Any], divisor: float = 1.0) -> None:
+    def add_tensors(self, keys: Sequence[MetricKey], tensors: Sequence[Any], divisor: float = 1.0, *,
+                    same: Sequence[MetricKey | None] = ()) -> None:
         """Measure `tensors` (named by `keys`) on their device; no host transfer. `divisor` (> 0,
-        e.g. an fp16 loss scale still in the gradients) divides every value, exactly."""
-        if self.active and tensors:
-            if divisor == 1.0:  # packed into rows with the step's others, at the transfer
-                rows = self.backend.partial_stats(tensors, count_zeros=self._count_zeros, deferred=True)
-            else:
-                rows = divide(self.backend.partial_stats(tensors, count_zeros=self._count_zeros), divisor)
-            self._pending.append((self.step, list(keys), rows))
-            if self.incidents is not None:
-                self.tensor_meta.update(zip(keys, map(_tensor_meta, tensors)))
+        e.g. an fp16 loss scale still in the gradients) divides every value, exactly. `same`,
+        when given, has one entry per tensor: None, or the key of an earlier row of that very
+        tensor, unchanged since, added in this step (or this call) by a call that gave `same`
+        too, with the same divisor; that row is repeated instead of measuring the tensor again
+        (the backend's `pick`)."""
+        if not (self.active and tensors):
+            return
+        measured = [t for t, prior in zip(tensors, same) if prior is None] if same else tensors
+        if not measured:
+            rows = None
+        elif divisor == 1.0:  # packed into rows with the step's others, at the transfer
+            rows = self.backend.partial_stats(measured, count_zeros=self._count_zeros, deferred=True)
+        else:
+            rows = divide(self.backend.partial_stats(measured, count_zeros=self._count_zeros), divisor)
+        if len(measured) < len(tensors):
+            own = dict(zip([key for key, prior in zip(keys, same) if prior is None],
+                           zip(itertools.repeat(rows), itertools.count())))
+            rows = self.backend.pick([own[key] if prior is None else own.get(prior) or self._rows[prior]
+                                      for key, prior in zip(keys, same)])
+        self._pending.append((self.step, list(keys), rows))
+        if same:
+            self._rows.update(zip(keys, zip(itertools.repeat(rows), itertools.count())))
+        if self.incidents is not None:
+            self.tensor_meta.update(zip(keys, map(_tensor_meta, tensors)))
 
     def discard(self, kind: str) -> None:
         """Drop this step's not yet transferred statistics of `kind`, e.g. the gradients of a
@@ -286,19 +304,24 @@ class Monitor:
     # ---- errors -----------------------------------------------------------------
     @contextlib.contextmanager
     def guard(self, where: str) -> Iterator[None]:
-        """Run a hook body: an error is logged once with `where`, and `where` joins
-        `monitor.disabled`, which hooks check to switch themselves off (strict mode re-raises)."""
+        """Run a hook body: an error goes to `hook_failed(where, error)`."""
         try:
             yield
         except Exception as exc:
-            if self.config.strict:
-                raise
-            count = self.hook_errors.get(where, 0)
-            self.hook_errors[where] = count + 1
-            self.disabled.add(where)
-            if count == 0:
-                log.error("msprobe: error in %s (step %d): %s: %s; it is reported once and disabled",
-                          where, self.step, type(exc).__name__, exc)
+            self.hook_failed(where, exc)
+
+    def hook_failed(self, where: str, exc: Exception) -> None:
+        """A hook body at `where` raised `exc`: it is logged once, and `where` joins
+        `monitor.disabled`, which hooks check to switch themselves off (strict mode re-raises).
+        Call it from the `except` clause (what `guard` does, for hot hooks that avoid its cost)."""
+        if self.config.strict:
+            raise exc
+        count = self.hook_errors.get(where, 0)
+        self.hook_errors[where] = count + 1
+        self.disabled.add(where)
+        if count == 0:
+            log.error("msprobe: error in %s (step %d): %s: %s; it is reported once and disabled",
+                      where, self.step, type(exc).__name__, exc)
 
     def warn(self, message: str) -> None:
         if message not in self._warned:
@@ -314,6 +337,7 @@ class Monitor:
         """The one device-to-host copy: every pending row, grouped by step (`reduce`: through
         `self.reducer`; a replay, which runs on its own, is not reduced)."""
         pending, self._pending = self._pending, []
+        self._rows.clear()
         if not pending:
             return {self.step: StatTable([], np.empty((0, 8)))}
         keys = [k for _, ks, _ in pending for k in ks]

@@ -16,6 +16,7 @@ Packing can wait: `partial_stats(..., deferred=True)` reduces at once (a
 tensor may change in place afterwards) but returns a `Pending` block, and
 `concat` packs the 0-dim results of all of a step's pending blocks together,
 so a hook that measures one or two tensors pays for their reductions only.
+`pick` repeats rows already measured (a tensor seen again) as a new block, by reference.
 
 nan/inf counting costs two extra passes over the data. On CPU tensors, where
 reading a scalar stalls no device queue, the counts are taken only when the
@@ -109,7 +110,7 @@ def partial_stats(tensors: Sequence[torch.Tensor], count_zeros: bool = False, de
         if numel > SMALL_NUMEL:
             first = reduced.setdefault(id(tensor), len(pending.positions))
             if first < len(pending.positions):
-                _repeat(pending, pos, first)
+                _repeat(pending, pos, pending, first)
             else:
                 _reduce(pending, pos, flat, count_zeros)
         else:
@@ -147,14 +148,14 @@ def _reduce(pending: Pending, pos: int, flat: torch.Tensor, count_zeros: bool) -
     pending.numels.append(float(flat.numel()))
 
 
-def _repeat(pending: Pending, pos: int, first: int) -> None:
-    """Row `pos` is the same tensor as the `first` row of the per-tensor path."""
+def _repeat(pending: Pending, pos: int, source: Pending, first: int) -> None:
+    """Row `pos` of `pending` is the same tensor as the `first` row of `source`'s per-tensor path."""
     pending.positions.append(pos)
-    pending.extremes += pending.extremes[2 * first:2 * first + 2]
-    pending.sums.append(pending.sums[first])
-    pending.norms.append(pending.norms[first])
-    pending.counts += pending.counts[3 * first:3 * first + 3]
-    pending.numels.append(pending.numels[first])
+    pending.extremes += source.extremes[2 * first:2 * first + 2]
+    pending.sums.append(source.sums[first])
+    pending.norms.append(source.norms[first])
+    pending.counts += source.counts[3 * first:3 * first + 3]
+    pending.numels.append(source.numels[first])
 
 
 @functools.lru_cache(maxsize=None)
@@ -181,13 +182,20 @@ def _chunk_norms(flat: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
 
 
 def _small_rows(flats: list[torch.Tensor], count_zeros: bool) -> torch.Tensor:
-    """Rows of tensors of similar length, reduced together as one zero-padded matrix."""
+    """Rows of tensors of similar length, reduced together as one zero-padded matrix (stacked,
+    without padding, when their lengths are equal)."""
     device = flats[0].device
-    lengths = torch.tensor([f.numel() for f in flats], dtype=torch.float64, device=device)
-    padded = pad_sequence([f if f.dtype != torch.bool else f.to(torch.uint8) for f in flats],
-                          batch_first=True).to(torch.float64)
-    width = padded.shape[1]
-    inside = torch.arange(width, device=device) < lengths.unsqueeze(1)
+    numels = [f.numel() for f in flats]
+    lengths = torch.tensor(numels, dtype=torch.float64, device=device)
+    flats = [f if f.dtype != torch.bool else f.to(torch.uint8) for f in flats]
+    if min(numels) == max(numels):
+        padded = torch.stack(flats).to(torch.float64)
+        low, high = -(-padded).amax(1), padded.amax(1)  # amax: amin along rows is 5x slower on CPU
+    else:
+        padded = pad_sequence(flats, batch_first=True).to(torch.float64)
+        inside = torch.arange(padded.shape[1], device=device) < lengths.unsqueeze(1)
+        low = -torch.where(inside, -padded, -math.inf).amax(1)
+        high = torch.where(inside, padded, -math.inf).amax(1)
     total = padded.sum(1)
     sumsq = (padded * padded).sum(1)
     if sumsq.device.type == "cpu" and math.isfinite(float(sumsq.sum())):
@@ -196,9 +204,7 @@ def _small_rows(flats: list[torch.Tensor], count_zeros: bool) -> torch.Tensor:
         nans, infs = torch.isnan(padded).sum(1), torch.isinf(padded).sum(1)
     zeros = lengths - torch.count_nonzero(padded, dim=1) if count_zeros else torch.full_like(total, _UNKNOWN)
     return torch.stack([
-        -torch.where(inside, -padded, -math.inf).amax(1),  # amax: amin along rows is 5x slower on CPU
-        torch.where(inside, padded, -math.inf).amax(1),
-        total, sumsq, nans.to(torch.float64), infs.to(torch.float64), zeros.to(torch.float64), lengths,
+        low, high, total, sumsq, nans.to(torch.float64), infs.to(torch.float64), zeros.to(torch.float64), lengths,
     ], dim=1)
 
 
@@ -252,6 +258,23 @@ def concat(rows: Sequence[Rows]) -> torch.Tensor:
     inverse = torch.empty(len(order), dtype=torch.long)
     inverse[torch.tensor(order)] = torch.arange(len(order))
     return packed.index_select(0, inverse.to(device))
+
+
+def pick(sources: Sequence[tuple[Rows, int]]) -> Pending:
+    """Rows already measured, as a new deferred block: for each ``(block, pos)``, row `pos` of
+    `block` (a block not yet packed, or rows); the per-tensor path's 0-dim results are shared,
+    packed rows are sliced (views), nothing is reduced again."""
+    picked = Pending(len(sources), sources[0][0].device)
+    for i, (block, pos) in enumerate(sources):
+        if not isinstance(block, Pending):
+            picked.blocks.append(([i], block[pos:pos + 1]))
+        elif pos in block.positions:
+            _repeat(picked, i, block, block.positions.index(pos))
+        else:
+            positions, rows = next(b for b in block.blocks if pos in b[0])
+            at = positions.index(pos)
+            picked.blocks.append(([i], rows[at:at + 1]))
+    return picked
 
 
 def scalar(value: float) -> torch.Tensor:

@@ -10,10 +10,11 @@ counted again; its calls are numbered like the original ones (in recompute
 order, which matches the original order unless one module is shared by
 several checkpointed segments).
 
-When incidents are on, the hooks also note in the monitor's `CallGraph` which
-rows measured each call's inputs (`torch_flow.TensorFlow`): inputs that are an
-earlier call's output cost nothing, others are measured once, as are (with
-activation gradients) their gradients.
+A tensor measured earlier in the micro-step (an input that is an earlier call's
+output, a parent returning its child's output) is not reduced again: its row repeats
+the earlier one (`torch_flow.TensorFlow`). When incidents are on, the hooks also note
+in the monitor's `CallGraph` which rows measured each call's inputs: inputs no earlier
+row measured are measured once, as are (with activation gradients) their gradients.
 """
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ class ModuleHooks:
         self.outputs = watch.module_outputs
         self.grads = watch.activation_grads
         graph = monitor.graph
-        self.flow = TensorFlow(graph, self.inputs) if graph is not None and self.outputs else None
+        self.flow = TensorFlow(graph if self.outputs else None, self.inputs, self.outputs) \
+            if self.inputs or self.outputs else None
         self.calls: dict[str, int] = defaultdict(int)
         self.recomputed: dict[str, int] = defaultdict(int)
         self.handles: list = [model.register_forward_pre_hook(self._root_pre_hook)]
@@ -100,35 +102,31 @@ class ModuleHooks:
         def hook(module, args, kwargs, output):
             if not monitor.active or where in monitor.disabled:
                 return
-            with monitor.guard(where):
+            try:
                 recompute = in_backward()
                 counter = self.recomputed if recompute else self.calls
                 n = counter[path]
                 counter[path] = n + 1
-                name = path if n == 0 else f"{path}:{n}"
-                self._collect(name, args, kwargs, output, recompute)
+                self._collect(path if n == 0 else f"{path}:{n}", args, kwargs, output, recompute)
+            except Exception as exc:
+                monitor.hook_failed(where, exc)
 
         return hook
 
     def _collect(self, name: str, args, kwargs, output, recompute: bool) -> None:
         found = list(iter_tensors(output, "output", _is_tensor))
-        if not recompute:
-            tensors = [t for _, t in found] if self.outputs else []
-            keys = [MetricKey("actv", name, role) for role, _ in found] if self.outputs else []
+        if not recompute and self.flow is not None:
             inputs = []
-            if self.inputs or self.flow is not None:
+            if self.flow.reads_inputs:
                 inputs = list(iter_tensors(dict([*enumerate(args), *kwargs.items()]), "input", _is_tensor))
-            if self.inputs:
-                keys += [MetricKey("actv", name, role) for role, _ in inputs]
-                tensors += [t for _, t in inputs]
-            fresh = self.flow.note_call(name, inputs, found) if self.flow is not None else []
-            if not self.inputs:  # inputs first: they were there before the output
-                keys = [key for key, _ in fresh] + keys
-                tensors = [t for _, t in fresh] + tensors
-            self.monitor.add_tensors(keys, tensors)
-            if self.grads:
-                for key, t in fresh:
-                    self._hook_grad(t, MetricKey(INPUT_GRAD_KIND, name, key.role))
+            ins, outs = self.flow.note_call(name, inputs, found)
+            rows = outs + ins if self.inputs else ins + outs  # hidden inputs first: they were there before
+            self.monitor.add_tensors([key for key, _, _ in rows], [t for _, t, _ in rows],
+                                     same=[prior for _, _, prior in rows])
+            if self.grads and self.flow.graph is not None:
+                for key, t, prior in ins:
+                    if prior is None:
+                        self._hook_grad(t, MetricKey(INPUT_GRAD_KIND, name, key.role))
         if self.grads:
             # Under checkpointing, hooks on the pass that autograd differentiates are the ones that fire.
             for role, t in found:
@@ -146,8 +144,10 @@ class ModuleHooks:
 
         def grad_hook(grad):
             if monitor.active and where not in monitor.disabled:
-                with monitor.guard(where):
+                try:
                     monitor.add_tensors([key], [grad])
+                except Exception as exc:
+                    monitor.hook_failed(where, exc)
 
         return grad_hook
 

@@ -17,6 +17,8 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
+from msprobe_engine.collect.tensor_identity import KnownTensors, version
+
 log = logging.getLogger("msprobe_engine")
 
 #: a batch is reduced once it holds this many bytes or tensors
@@ -24,38 +26,11 @@ BATCH_BYTES = 64 << 20
 BATCH_TENSORS = 1024
 
 
-def version(tensor: torch.Tensor) -> int:
-    """The tensor's in-place version counter (-1 for inference tensors, which have none)."""
-    try:
-        return tensor._version
-    except RuntimeError:
-        return -1
-
-
 def _storage(tensor: torch.Tensor) -> int | None:
     try:
         return tensor.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # sparse, nested and other storage-less tensors
         return None
-
-
-class _Known:
-    """Tensors already measured or copied this step, by identity and version."""
-
-    def __init__(self) -> None:
-        self._items: dict[int, tuple[weakref.ref, int, Any]] = {}
-
-    def get(self, tensor: torch.Tensor, now: int) -> Any:
-        known = self._items.get(id(tensor))
-        if known is not None and known[1] == now and known[0]() is tensor:
-            return known[2]
-        return None
-
-    def put(self, tensor: torch.Tensor, now: int, value: Any) -> None:
-        self._items[id(tensor)] = (weakref.ref(tensor), now, value)
-
-    def forget(self, tensor: torch.Tensor) -> None:
-        self._items.pop(id(tensor), None)
 
 
 class StatBuffer:
@@ -74,8 +49,8 @@ class StatBuffer:
         self._versions: list[int] = []
         self._owners: dict[int, list[int]] = {}
         self._bytes = 0
-        self._seen = _Known()
-        self._copies = _Known()
+        self._seen = KnownTensors()
+        self._copies = KnownTensors()
 
     @property
     def pending(self) -> bool:
