@@ -274,20 +274,8 @@ class Recorder:
             return
         with self._hook("forward hook"):
             call = self._modules.pop()
-            self.sel.end(call.forward)
-            if call.keep:
-                entry: dict[str, Any] = {}
-                if call.inputs is not None:
-                    entry["input_args"], entry["input_kwargs"] = call.inputs
-                if self.sel.outputs:
-                    entry["output"] = self._describe(_as_list(output), f"{call.forward}.output")
-                params = dict(module.named_parameters(recurse=False)) if self.sel.inputs else {}
-                if params:
-                    entry["parameters"] = {k: self._slot(p, f"{call.forward}.parameters.{k}")
-                                           for k, p in params.items()}
-                self._add_entry(call.forward, entry, call.parent, call.frames)
-            if call.edges is not None:
-                self._watch_backward(call, _tensors(output))
+            params = dict(module.named_parameters(recurse=False)) if self.sel.inputs else {}
+            self._call_done(call, output, params)
 
     def param_grad(self, key: str, name: str, grad: torch.Tensor) -> None:
         """Gradient hook of parameter `name` of module `key`."""
@@ -330,10 +318,11 @@ class Recorder:
         output = func(*args, **kwargs)
         if call is not None:
             with self._hook("API", info.key):
-                self._api_done(call, output)
+                self._call_done(call, output)
         return output
 
-    def _api_done(self, call: _Call, output: Any) -> None:
+    def _call_done(self, call: _Call, output: Any, params: dict[str, Any] | None = None) -> None:
+        """Close a module or API call: its forward entry, then its backward watch."""
         self.sel.end(call.forward)
         if call.keep:
             entry: dict[str, Any] = {}
@@ -341,6 +330,9 @@ class Recorder:
                 entry["input_args"], entry["input_kwargs"] = call.inputs
             if self.sel.outputs:
                 entry["output"] = self._describe(_as_list(output), f"{call.forward}.output")
+            if params:
+                entry["parameters"] = {k: self._slot(p, f"{call.forward}.parameters.{k}")
+                                       for k, p in params.items()}
             self._add_entry(call.forward, entry, call.parent, call.frames)
         if call.edges is not None:
             self._watch_backward(call, _tensors(output))
