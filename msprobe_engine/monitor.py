@@ -41,6 +41,7 @@ from msprobe_engine.records import AlertEvent, StepRecord
 from msprobe_engine.rules import AlertTracker, Firing, build_rules
 from msprobe_engine.sinks import BackgroundWriter, create_sinks
 from msprobe_engine.stats import divide
+from msprobe_engine.stats.metrics import MetricNamer
 from msprobe_engine.stats.table import MetricKey, StatTable
 
 log = logging.getLogger("msprobe_engine")
@@ -71,7 +72,8 @@ class Monitor:
         self.reducer: Reducer | None = None
         self.step_end_listeners: list[Callable[[StepRecord], None]] = []
         self._rules = build_rules(self.config.alerts)
-        self._tags: dict[MetricKey, list[str]] = {}
+        self._metrics = MetricNamer(self.config.stats, "ratio" in self.config.watch.optimizer_state,
+                                    HIDDEN_KINDS)
         self._tracker = AlertTracker()
         self._count_zeros = "zero_frac" in self.config.stats
         self.decide_early = any(r.action != "continue" for r in self.config.alerts)
@@ -403,40 +405,6 @@ class Monitor:
         stats = table.finalized()
         metrics = self._metrics(table)
         return [f for rule in self._rules for f in rule.evaluate(table, stats, metrics)]
-
-    def _metrics(self, table: StatTable) -> dict[str, float]:
-        """Tag -> value for the sinks (computed once per table)."""
-        if table.metrics is not None:
-            return table.metrics
-        stats = table.finalized()
-        metrics: dict[str, float] = {}
-        columns = [(stat, stats[stat].tolist()) for stat in self.config.stats]
-        means = stats["mean"].tolist()
-        for i, key in enumerate(table.keys):
-            if key.kind == "train":
-                metrics[f"train/{key.path}"] = means[i]
-                continue
-            if key.kind in HIDDEN_KINDS:
-                continue
-            tags = self._tags.get(key)
-            if tags is None:
-                tags = self._tags[key] = [key.tag(stat) for stat in self.config.stats]
-            for tag, (_, values) in zip(tags, columns):
-                metrics[tag] = values[i]
-        if table.select("grad").any():
-            metrics["grad/global/norm"] = table.global_norm("grad")
-        self._add_ratios(table, stats, metrics)
-        table.metrics = metrics
-        return metrics
-
-    def _add_ratios(self, table: StatTable, stats: dict[str, np.ndarray], metrics: dict[str, float]) -> None:
-        if "ratio" not in self.config.watch.optimizer_state:
-            return
-        param_norm = {k.path: stats["norm"][i] for i, k in enumerate(table.keys) if k.kind == "param"}
-        for i, key in enumerate(table.keys):
-            if key.kind == "optim" and key.role == "update" and key.path in param_norm:
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    metrics[f"optim/{key.path}/ratio"] = float(stats["norm"][i] / param_norm[key.path])
 
     def _emit(self, step: int, table: StatTable, events: list[AlertEvent]) -> StepRecord:
         micro_steps = self._early_micro_steps.pop(step, self.micro_steps)
