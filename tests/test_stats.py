@@ -111,3 +111,19 @@ def test_small_tensors_of_mixed_dtypes_in_one_size_class_keep_their_values():
                torch.tensor([1, -200, 3, 4]), torch.tensor([0.5, 0.25, -1.0, 8.0], dtype=torch.bfloat16),
                torch.tensor([9.0, -9.0, 0.0, 1.0])]
     assert_matches(partial_stats(tensors, count_zeros=True).numpy(), tensors)
+
+
+def test_deferred_blocks_of_mixed_dtypes_pack_together_and_ignore_later_in_place_changes():
+    from msprobe_engine.backends.torch_backend import concat
+    gen = torch.Generator().manual_seed(3)
+    shared = torch.randn(300_001, generator=gen)
+    tensors = [torch.randn(SMALL_NUMEL + 9, generator=gen, dtype=torch.float64), shared,
+               torch.randint(-9, 9, (5000,), generator=gen), torch.randn(8192, generator=gen).to(torch.bfloat16)]
+    first = partial_stats(tensors, count_zeros=True, deferred=True)
+    second = partial_stats([shared, shared, torch.randn(3, generator=gen)], count_zeros=True, deferred=True)
+    expected = [t.clone() for t in tensors + [shared]]
+    for t in tensors:
+        t.mul_(2)  # after the reductions: the rows keep the values measured
+    rows = concat([first, second]).numpy()
+    assert_matches(rows[:5], expected)
+    np.testing.assert_array_equal(rows[5], rows[4])

@@ -5,12 +5,16 @@ padded into one matrix per class and reduced along its rows: about a dozen
 kernel launches per class for all of them. Large tensors (and small ones
 without enough company) are reduced one by one with torch's vectorised
 reductions, whose per-call overhead is small next to their size; each leaves
-a few 0-dim results (min/max, sum, the float64 norm of its chunk norms,
-counts) that are packed into rows by a dozen batched ops. Floating-point
-tensors are accumulated in float32 (bf16/fp16/fp32; the sum of squares per
-chunk of NORM_CHUNK elements, the chunks in float64) or float64 (float64);
-large tensors are never copied to float64. Small ones and integer/bool
-tensors are converted to float64.
+a few results (0-dim min/max, sum and counts, and the vector of its chunk
+norms) that are packed into rows by a dozen batched ops, the chunk norms of
+all tensors squared and summed per tensor in float64 by one segmented sum.
+Floating-point tensors are accumulated in float32 (bf16/fp16/fp32; the sum of
+squares per chunk of NORM_CHUNK elements, the chunks in float64) or float64
+(float64); large tensors are never copied to float64. Small ones and
+integer/bool tensors are converted to float64.
+
+(`torch.var_mean` per chunk would give sum and sum of squares in one pass, but
+on CPU it is a scalar Welford loop, 20-35 times slower than sum plus norm.)
 
 Packing can wait: `partial_stats(..., deferred=True)` reduces at once (a
 tensor may change in place afterwards) but returns a `Pending` block, and
@@ -20,7 +24,7 @@ so a hook that measures one or two tensors pays for their reductions only.
 
 nan/inf counting costs two extra passes over the data. On CPU tensors, where
 reading a scalar stalls no device queue, the counts are taken only when the
-norm is not finite (a finite norm proves there is no nan or inf); on
+sum is not finite (a finite sum proves there is no nan or inf); on
 accelerators they are always counted on the device, with no host
 synchronisation. The zero count (for `zero_frac`) is only taken on request.
 """
@@ -51,11 +55,11 @@ _UNKNOWN = float("nan")
 class Pending:
     """Statistics of a batch of tensors, reduced but not yet packed into rows (`concat` packs).
 
-    For each tensor of the per-tensor path: its position in the batch, its 0-dim results
-    (`extremes`: min and max; `sums`; `norms`, float64; `counts`, int64: nan, inf and
-    nonzero counts, the last -1 when not taken) and its length. `blocks`: the rows packed
-    by the other paths, with their positions."""
-    __slots__ = ("size", "device", "positions", "extremes", "sums", "norms", "counts", "numels", "blocks")
+    For each tensor of the per-tensor path: its position in the batch, its results
+    (0-dim `extremes`: min and max; `sums`; `counts`, int64: nan, inf and nonzero counts,
+    the last -1 when not taken; `chunk_norms`, a vector per tensor) and its length.
+    `blocks`: the rows packed by the other paths, with their positions."""
+    __slots__ = ("size", "device", "positions", "extremes", "sums", "chunk_norms", "counts", "numels", "blocks")
 
     def __init__(self, size: int, device: torch.device) -> None:
         self.size = size
@@ -63,7 +67,7 @@ class Pending:
         self.positions: list[int] = []
         self.extremes: list[torch.Tensor] = []
         self.sums: list[torch.Tensor] = []
-        self.norms: list[torch.Tensor] = []
+        self.chunk_norms: list[torch.Tensor] = []
         self.counts: list[torch.Tensor] = []
         self.numels: list[float] = []
         self.blocks: list[tuple[list[int], torch.Tensor]] = []
@@ -77,7 +81,7 @@ class Pending:
         self.positions += [offset + pos for pos in other.positions]
         self.extremes += other.extremes
         self.sums += other.sums
-        self.norms += other.norms
+        self.chunk_norms += other.chunk_norms
         self.counts += other.counts
         self.numels += other.numels
         self.blocks += [([offset + pos for pos in positions], rows) for positions, rows in other.blocks]
@@ -129,22 +133,22 @@ def partial_stats(tensors: Sequence[torch.Tensor], count_zeros: bool = False, de
 
 
 def _reduce(pending: Pending, pos: int, flat: torch.Tensor, count_zeros: bool) -> None:
-    """The per-tensor path: four reductions (min/max, sum, chunked norms, their float64 norm)
-    and the counts that are needed, kept as 0-dim results in `pending`."""
+    """The per-tensor path: three reductions (min/max, sum, chunk norms) and the counts
+    that are needed, kept in `pending`."""
     if flat.dtype not in _LOW_PRECISION:
         flat = flat.to(torch.float64)
     acc = torch.float32 if flat.dtype in _LOW_PRECISION else torch.float64
-    norm = torch.linalg.vector_norm(_chunk_norms(flat, acc), dtype=torch.float64)
+    total = flat.sum(dtype=acc)
     zero, not_taken = _constants(flat.device)
-    if flat.device.type != "cpu" or not math.isfinite(norm):
+    if flat.device.type != "cpu" or not math.isfinite(total):
         pending.counts += [torch.isnan(flat).sum(), torch.isinf(flat).sum()]
     else:
         pending.counts += [zero, zero]
     pending.counts.append(torch.count_nonzero(flat) if count_zeros else not_taken)
     pending.positions.append(pos)
     pending.extremes += torch.aminmax(flat)
-    pending.sums.append(flat.sum(dtype=acc))
-    pending.norms.append(norm)
+    pending.sums.append(total)
+    pending.chunk_norms.append(_chunk_norms(flat, acc))
     pending.numels.append(float(flat.numel()))
 
 
@@ -153,7 +157,7 @@ def _repeat(pending: Pending, pos: int, source: Pending, first: int) -> None:
     pending.positions.append(pos)
     pending.extremes += source.extremes[2 * first:2 * first + 2]
     pending.sums.append(source.sums[first])
-    pending.norms.append(source.norms[first])
+    pending.chunk_norms.append(source.chunk_norms[first])
     pending.counts += source.counts[3 * first:3 * first + 3]
     pending.numels.append(source.numels[first])
 
@@ -171,13 +175,15 @@ def _empty_rows(count: int, device: torch.device) -> torch.Tensor:
 
 
 def _chunk_norms(flat: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """Norms of fixed-size chunks (float32 within a chunk; combined later in float64)."""
-    head = flat.numel() // NORM_CHUNK * NORM_CHUNK
+    """Norms of fixed-size chunks (in `acc` within a chunk; combined in `_pack`, in float64).
+    A tensor shorter than a chunk is its own chunk norms: a float64 copy of its values."""
+    numel = flat.numel()
+    head = numel // NORM_CHUNK * NORM_CHUNK
     if head == 0:
-        return flat
+        return flat.to(torch.float64, copy=True)
+    if head == numel:
+        return torch.linalg.vector_norm(flat.view(-1, NORM_CHUNK), dim=1, dtype=acc)
     chunks = torch.linalg.vector_norm(flat[:head].view(-1, NORM_CHUNK), dim=1, dtype=acc)
-    if head == flat.numel():
-        return chunks
     return torch.cat([chunks, torch.linalg.vector_norm(flat[head:], dtype=acc).unsqueeze(0)])
 
 
@@ -209,14 +215,18 @@ def _small_rows(flats: list[torch.Tensor], count_zeros: bool) -> torch.Tensor:
 
 
 def _pack(pending: Pending) -> torch.Tensor:
-    """The rows of the per-tensor path, from its 0-dim results, in a dozen batched ops."""
+    """The rows of the per-tensor path, from its results, in a dozen batched ops; each
+    tensor's sum of squares is the float64 sum of its squared chunk norms."""
     low_high = _stack_f64(pending.extremes).view(-1, 2)
     counts = torch.stack(pending.counts).view(-1, 3).to(torch.float64)
     numel = torch.tensor(pending.numels, dtype=torch.float64, device=counts.device)
+    chunk_norms = torch.cat(pending.chunk_norms).to(torch.float64)  # cat promotes float32 to float64
+    lengths = torch.tensor([len(c) for c in pending.chunk_norms], device=counts.device)
+    sumsq = torch.segment_reduce(chunk_norms.square(), "sum", lengths=lengths)
     nonzero = counts[:, 2]
     zeros = torch.where(nonzero < 0, _UNKNOWN, numel - nonzero)
     return torch.stack([low_high[:, 0], low_high[:, 1], _stack_f64(pending.sums),
-                        torch.stack(pending.norms).square(), counts[:, 0], counts[:, 1], zeros, numel], dim=1)
+                        sumsq, counts[:, 0], counts[:, 1], zeros, numel], dim=1)
 
 
 def _stack_f64(values: list[torch.Tensor]) -> torch.Tensor:
