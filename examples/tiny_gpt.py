@@ -73,7 +73,7 @@ def inject(model: nn.Module, layer: str, step_of: callable, at_step: int, kind: 
         if kind == "spike":
             bad = out * 1000.0
         else:
-            bad = out.clone()
+            bad = out.clone(memory_format=torch.contiguous_format)  # view(-1) needs contiguous
             bad.view(-1)[0] = float("nan") if kind == "nan" else float("inf")
         return (bad, *output[1:]) if isinstance(output, tuple) else bad
 
