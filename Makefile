@@ -8,13 +8,17 @@ export OMP_NUM_THREADS := 1
 export DS_BUILD_OPS := 0
 export DS_ACCELERATOR := cpu
 
-.PHONY: demo test bench install install-all clean
+.PHONY: demo test test-fast bench install install-all clean
 
 demo: $(VENV)/.core
 	$(PY) -m examples.demo
 
 test: $(VENV)/.all
 	$(PY) -m pytest -q
+
+# the quick lane for the development loop: everything not marked slow
+test-fast: $(VENV)/.all
+	$(PY) -m pytest -q -m "not slow"
 
 bench: $(VENV)/.all
 	$(PY) bench/overhead.py
@@ -32,9 +36,11 @@ $(VENV)/.core: pyproject.toml constraints.txt | $(PY)
 	$(PIP) -e ".[torch,test]"
 	touch $@
 
-# Everything the tests need: the real DeepSpeed, Megatron-core and MindSpore.
+# Everything the tests need: the real DeepSpeed, Megatron-core, MindSpore, the predecessor
+# (mindstudio-probe), transformers, Lightning, wandb, MLflow, tb-graph-ascend; Chromium from apt.
 $(VENV)/.all: $(VENV)/.core
-	$(PIP) -e ".[torch,test,deepspeed,megatron,mindspore]"
+	$(PIP) -e ".[torch,test,deepspeed,megatron,mindspore,predecessor,hf,lightning,wandb,mlflow,graph]"
+	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
 	touch $@
 
 clean:

@@ -38,6 +38,7 @@ from msprobe_engine.incident.graph import HIDDEN_KINDS, CallGraph
 from msprobe_engine.incident.recorder import Incident, IncidentRecorder
 from msprobe_engine.incident.replay import ReplayHost, StepCall, every_statistic
 from msprobe_engine.records import AlertEvent, StepRecord
+from msprobe_engine.registry import framework_names, framework_of, load_framework
 from msprobe_engine.rules import AlertTracker, Firing, build_rules
 from msprobe_engine.sinks import BackgroundWriter, create_sinks
 from msprobe_engine.stats import divide
@@ -104,17 +105,19 @@ class Monitor:
 
     # ---- wiring -----------------------------------------------------------------
     def attach(self, model: Any, optimizer: Any = None) -> "Monitor":
-        """Hook a torch model (and torch.optim optimizer) into this monitor."""
-        from msprobe_engine.backends import torch_backend
-        from msprobe_engine.collect.torch_modules import ModuleHooks
-        from msprobe_engine.collect.torch_optim import OptimizerHooks
-        from msprobe_engine.collect.torch_replay import TorchReplayHost
-
-        self.backend = self.backend or torch_backend
-        self._attachments += [ModuleHooks(self, model), OptimizerHooks(self, model, optimizer)]
+        """Hook a model (and its optimizer) into this monitor, through the framework its
+        classes come from (`registry.framework_of`: torch.nn.Module -> torch)."""
+        name = framework_of(model)
+        if name is None:
+            raise TypeError(f"Monitor.attach: {type(model).__module__}.{type(model).__name__} is not a model of "
+                            f"a registered framework ({', '.join(framework_names())})")
+        framework = load_framework(name)
+        self.backend = self.backend or framework.backend
+        self._attachments += framework.attach(self, model, optimizer)
         if self.replay_host is None:
-            self.replay_host = TorchReplayHost()
-        self.replay_host.models.append(model)
+            self.replay_host = framework.replay_host()
+        if self.replay_host is not None:
+            self.replay_host.models.append(model)
         return self
 
     def detach(self) -> None:

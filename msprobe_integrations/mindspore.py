@@ -14,7 +14,7 @@ A `mindspore.value_and_grad` loop, two lines::
         monitor.step_end(loss, grads)
     monitor.close()
 
-Statistics are computed with MindSpore ops (`msprobe_engine.backends.mindspore_backend`);
+Statistics are computed with MindSpore ops (`msprobe_engine.frameworks.mindspore.backend`);
 torch is never imported. In PyNative mode Cell hooks see activations and the
 optimizer Cell's hooks see the gradients. In GRAPH_MODE (and inside
 `mindspore.jit`) hooks do not run: activations are not monitored; the loss,
@@ -30,8 +30,8 @@ from mindspore import nn
 from mindspore.experimental import optim
 from mindspore.train import Callback, RunContext
 
-from msprobe_engine.backends import mindspore_backend
-from msprobe_engine.collect.mindspore_cells import CellHooks, OptimizerState, TensorBatch, compiled, is_tensor
+from msprobe_engine.frameworks.mindspore import backend as mindspore_backend
+from msprobe_engine.frameworks.mindspore.cell_hooks import CellHooks, OptimizerState, TensorBatch, compiled, is_tensor
 from msprobe_engine.config import ConfigSource
 from msprobe_engine.monitor import Monitor
 from msprobe_engine.records import StepRecord

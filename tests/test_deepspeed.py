@@ -235,7 +235,7 @@ def test_what_cannot_be_monitored_is_named(launches):
 def test_statistics_divided_by_a_loss_scale_are_those_of_the_divided_tensor():
     import torch
 
-    from msprobe_engine.backends import torch_backend
+    from msprobe_engine.frameworks.torch import backend as torch_backend
     from msprobe_engine.stats import divide
 
     tensors = [torch.randn(5000) * 3e4, torch.randn(7), torch.empty(0)]
@@ -248,7 +248,7 @@ def test_discard_drops_this_steps_rows_of_one_kind_only(tmp_path):
     import torch
 
     from msprobe_engine import Monitor
-    from msprobe_engine.backends import torch_backend
+    from msprobe_engine.frameworks.torch import backend as torch_backend
     from msprobe_engine.stats.table import MetricKey
 
     monitor = Monitor({"strict": True, "output_dir": str(tmp_path), "sinks": []}, backend=torch_backend)

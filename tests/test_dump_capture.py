@@ -11,7 +11,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from dump_helpers import tiny_gpt_dump, train_tiny_gpt
-from msprobe_engine.collect.torch_api import push_mode, remove_mode
+from msprobe_engine.frameworks.torch.capture.api import push_mode, remove_mode
 from msprobe_engine.dump import PrecisionDebugger, load_dump
 
 
@@ -157,7 +157,7 @@ def test_the_mode_comes_off_the_stack_under_other_modes():
 
 
 def test_an_error_inside_the_tool_is_reported_and_training_goes_on(tmp_path, monkeypatch, caplog):
-    from msprobe_engine.dump.recorder import Recorder
+    from msprobe_engine.frameworks.torch.capture.recorder import Recorder
 
     def broken(self, tensor, name):
         raise RuntimeError("boom")

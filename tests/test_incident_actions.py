@@ -8,7 +8,7 @@ import torch
 from examples.tiny_gpt import inject, synthetic_batches
 from incident_helpers import config, gpt_and_adam, read_incident
 from msprobe_engine import Monitor
-from msprobe_engine.backends import torch_backend
+from msprobe_engine.frameworks.torch import backend as torch_backend
 from msprobe_engine.config import ConfigError
 from msprobe_engine.incident import StepDecision, TrainingStopped
 from msprobe_integrations.torch import TorchMonitor

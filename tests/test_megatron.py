@@ -58,7 +58,7 @@ def _exp_avg_reference(model, optimizer) -> dict:
 @contextlib.contextmanager
 def _counting_gathers() -> Iterator[list[int]]:
     """Count the monitor's all-gathers (the only collective it issues)."""
-    from msprobe_engine.backends import torch_distributed
+    from msprobe_engine.frameworks.torch import distributed as torch_distributed
     calls = [0]
     original = torch_distributed._all_gather
 

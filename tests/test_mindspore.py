@@ -25,7 +25,7 @@ from mindspore import Tensor, nn  # noqa: E402
 from mindspore.train import Model  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
-from msprobe_engine.backends import mindspore_backend  # noqa: E402
+from msprobe_engine.frameworks.mindspore import backend as mindspore_backend  # noqa: E402
 from msprobe_engine.incident.actions import TrainingStopped  # noqa: E402
 from msprobe_engine.stats import finalize, reference_partial  # noqa: E402
 from msprobe_integrations.mindspore import MindSporeMonitor, MonitorCallback  # noqa: E402

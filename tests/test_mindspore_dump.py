@@ -23,7 +23,7 @@ from test_mindspore import Net, batches, config, grad_fn_of, make  # noqa: E402
 
 from msprobe_engine.analysis import analyze, compare_dumps  # noqa: E402
 from msprobe_engine.config.errors import ConfigError  # noqa: E402
-from msprobe_engine.dump.mindspore_session import MindSporePrecisionDebugger  # noqa: E402
+from msprobe_engine.frameworks.mindspore.capture.session import MindSporePrecisionDebugger  # noqa: E402
 from msprobe_engine.dump.reader import load_dump  # noqa: E402
 from msprobe_engine.dump.schema import iter_dump_tensors, validate_dump_json  # noqa: E402
 from msprobe_engine.stats import finalize, reference_partial  # noqa: E402

@@ -207,7 +207,7 @@ def test_non_finite_alert_starts_and_ends_once_and_names_the_layer(tmp_path, cap
 
 def test_spike_rule_fires_after_warmup_and_reports_episodes(tmp_path):
     monitor = Monitor(config(tmp_path, sinks=[], alerts=[{"rule": "spike", "factor": 3.0, "warmup": 3}]))
-    from msprobe_engine.backends import torch_backend
+    from msprobe_engine.frameworks.torch import backend as torch_backend
     monitor.backend = torch_backend
     losses = [1.0, 1.1, 0.9, 1.0, 50.0, 60.0, 1.0, 1.0]
     for loss in losses:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from msprobe_engine.backends.torch_backend import SMALL_NUMEL, partial_stats
+from msprobe_engine.frameworks.torch.backend import SMALL_NUMEL, partial_stats
 from msprobe_engine.stats import finalize, merge, reference_partial
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -114,7 +114,7 @@ def test_small_tensors_of_mixed_dtypes_in_one_size_class_keep_their_values():
 
 
 def test_deferred_blocks_of_mixed_dtypes_pack_together_and_ignore_later_in_place_changes():
-    from msprobe_engine.backends.torch_backend import concat
+    from msprobe_engine.frameworks.torch.backend import concat
     gen = torch.Generator().manual_seed(3)
     shared = torch.randn(300_001, generator=gen)
     tensors = [torch.randn(SMALL_NUMEL + 9, generator=gen, dtype=torch.float64), shared,

@@ -7,8 +7,14 @@ __all__ = ["DumpError", "EntryName", "RankDump", "TensorRef", "find_rank_dirs", 
            "iter_dump_tensors", "iter_tensors", "load_dump", "load_rank_dir", "parse_entry_name",
            "validate_dump_json", "validate_entry"]
 
-# The dump session (torch is imported at its first start(), not here).
 from msprobe_engine.dump.config import DumpConfig, load_dump_config  # noqa: E402
-from msprobe_engine.dump.session import PrecisionDebugger  # noqa: E402
 
 __all__ += ["DumpConfig", "PrecisionDebugger", "load_dump_config"]
+
+
+def __getattr__(name: str):
+    """`PrecisionDebugger`: PyTorch's dump session, loaded on first use (torch is imported then)."""
+    if name == "PrecisionDebugger":
+        from msprobe_engine.registry import load_framework
+        return load_framework("torch").dump_session()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""`PrecisionDebugger`: the predecessor's dump session, on this engine.
+"""`DumpSession`: the predecessor's dump session (`PrecisionDebugger`), framework-neutral part.
 
 ::
 
@@ -14,13 +14,12 @@ or ``with PrecisionDebugger(cfg) as debugger:`` and ``with debugger.step_scope(m
 per step. Steps and ranks outside the config's lists cost a flag check. Statistics stay on
 the device until `step()`, which makes one host transfer; files are written by the engine's
 background writer thread (`sinks.BackgroundWriter`) and committed atomically per step.
-torch is imported at the first `start()`.
+A framework's session (its `PrecisionDebugger`) adds the hooks and the capture.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from functools import partial
 from pathlib import Path
 from typing import Any, Iterator
@@ -34,14 +33,15 @@ from msprobe_engine.sinks.writer import BackgroundWriter
 log = logging.getLogger("msprobe_engine")
 
 
-class PrecisionDebugger:
+class DumpSession:
     """A dump session; see the module docstring. `current_step` counts `step()` calls.
 
     The framework layer is `_setup`, `_hook_model`, `_activate`/`_deactivate` and
-    `_tensor_writers` (MindSpore: `msprobe_engine.dump.mindspore_session`)."""
+    `_tensor_writers` (PyTorch: `msprobe_engine.frameworks.torch.capture.session`,
+    MindSpore: `msprobe_engine.frameworks.mindspore.capture.session`)."""
 
     #: dump.json's ``framework`` (and so its record format, see `dump.entry.FORMATS`)
-    framework = "pytorch"
+    framework = ""
 
     def __init__(self, config: DumpConfigSource = None, *, config_path: str | Path | None = None,
                  model: Any = None, **overrides: Any) -> None:
@@ -110,7 +110,7 @@ class PrecisionDebugger:
         self.writer.flush()
 
     @contextlib.contextmanager
-    def step_scope(self, model: Any = None) -> Iterator["PrecisionDebugger"]:
+    def step_scope(self, model: Any = None) -> Iterator["DumpSession"]:
         """``start(model)`` ... ``stop(); step()`` around one training step."""
         self.start(model)
         try:
@@ -119,7 +119,7 @@ class PrecisionDebugger:
             self.stop()
             self.step()
 
-    def __enter__(self) -> "PrecisionDebugger":
+    def __enter__(self) -> "DumpSession":
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -135,46 +135,21 @@ class PrecisionDebugger:
         """Errors inside the dump's hooks so far, by hook (logged once each; strict mode raises)."""
         return self._recorder.hook_errors if self._recorder is not None else {}
 
-    # ---- set-up ------------------------------------------------------------------------
+    # ---- the framework layer (a framework's session implements these) -------------------
     def _setup(self, model: Any) -> None:
-        from msprobe_engine.backends import torch_backend
-        from msprobe_engine.collect.torch_api import ApiCatalog, ApiMode
-        from msprobe_engine.dump.recorder import Recorder
-
-        if self.config.level in ("L0", "mix") and model is None:
-            raise ConfigError(f"level {self.config.level} dumps modules: pass the model, start(model)")
-        self.rank, world = _rank_and_world()
-        self.config.check_ranks(world)
-        catalog = ApiCatalog()
-        modules = _module_keys(model) if model is not None else {}
-        _check_names(self.config, modules, catalog)
-        self._recorder = Recorder(self.config, torch_backend, catalog, self._emit_tensors)
-        self._mode = ApiMode(self._recorder.api_call)
-        if model is not None:
-            self._hook_model(model)
+        """Validate the config against the run and `model`, create the recorder, hook `model`."""
+        raise NotImplementedError
 
     def _hook_model(self, model: Any) -> None:
-        if self.config.level in ("L0", "mix"):
-            from msprobe_engine.collect.torch_dump_modules import DumpModuleHooks
-            self._hooks.append(DumpModuleHooks(self._recorder, model))
-        self._hooked.add(id(model))
+        """Install the dump's hooks on another model."""
+        raise NotImplementedError
 
     def _activate(self) -> None:
-        wanted = self.config.wants_step(self.current_step) and self.config.wants_rank(self.rank or 0)
-        if not (self._running and wanted and self._recorder is not None) or self._recorder.active:
-            return
-        from msprobe_engine.collect.torch_api import push_mode
-
-        self._recorder.active = self._collected = True
-        push_mode(self._mode)  # also in L0: it measures waiting tensors before in-place calls
+        """Start recording when this step and rank are dumped (API interception on)."""
+        raise NotImplementedError
 
     def _deactivate(self) -> None:
-        if self._recorder is None or not self._recorder.active:
-            return
-        from msprobe_engine.collect.torch_api import remove_mode
-
-        self._recorder.active = False
-        remove_mode(self._mode)
+        raise NotImplementedError
 
     # ---- writing -----------------------------------------------------------------------
     def _step_files(self) -> StepFiles:
@@ -193,10 +168,7 @@ class PrecisionDebugger:
 
     def _tensor_writers(self) -> tuple[Any, Any]:
         """(save a tensor copy to a path, or None; its checksum, or None) as the config asks."""
-        from msprobe_engine.dump.recorder import tensor_crc32
-
-        return (_torch_save if self.config.task == "tensor" else None,
-                tensor_crc32 if self.config.summary_mode == "md5" else None)
+        raise NotImplementedError
 
     def _commit(self) -> None:
         try:
@@ -228,27 +200,7 @@ class PrecisionDebugger:
         self.steps_written += 1
 
 
-def _torch_save(tensor: Any, path: Path) -> None:
-    import torch
-    torch.save(tensor, path)
-
-
-def _rank_and_world() -> tuple[int | None, int]:
-    """(rank, world size): from torch.distributed, else from torchrun's environment, else (None, 1)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    return (int(os.environ.get("RANK", "0")), world) if world > 1 else (None, 1)
-
-
-def _module_keys(model: Any) -> dict[str, Any]:
-    from msprobe_engine.collect.torch_dump_modules import module_keys
-    return module_keys(model)
-
-
-def _check_names(config: DumpConfig, modules: dict[str, Any], catalog: Any) -> None:
+def check_names(config: DumpConfig, modules: dict[str, Any], catalog: Any) -> None:
     """Full names in scope/list must name a module of the model or an API this dump records."""
     named = [(f"scope[{i}]", n) for i, n in enumerate(config.scope or ())]
     named += [(f"list[{i}]", n) for i, n in enumerate(config.api_list) if parse_entry_name(n) is not None]

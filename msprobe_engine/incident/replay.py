@@ -37,7 +37,7 @@ class StepCall:
 
 
 class ReplayHost(Protocol):
-    """The framework side of a replay (`msprobe_engine.collect.torch_replay` for torch)."""
+    """The framework side of a replay (`msprobe_engine.frameworks.torch.replay` for torch)."""
 
     def capture_rng(self) -> Any:
         """Every RNG state the step may draw from."""

@@ -62,8 +62,8 @@ class DeepSpeedMonitor(Monitor):
         _check_engine(engine)
         import torch.distributed as dist
 
-        from msprobe_engine.backends import torch_backend
-        from msprobe_engine.collect.torch_modules import ModuleHooks
+        from msprobe_engine.frameworks.torch import backend as torch_backend
+        from msprobe_engine.frameworks.torch.module_hooks import ModuleHooks
         from msprobe_integrations.deepspeed.hooks import EngineHooks
         from msprobe_integrations.deepspeed.merge import RankMerge
         from msprobe_integrations.deepspeed.shards import shard_reader

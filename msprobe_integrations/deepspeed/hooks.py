@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 
-from msprobe_engine.collect.torch_optim import STATE_NAMES
+from msprobe_engine.frameworks.torch.optimizer_hooks import STATE_NAMES
 from msprobe_engine.incident.actions import TrainingStopped
 from msprobe_engine.incident.graph import INPUT_GRAD_KIND
 from msprobe_engine.stats import P_INF, P_NAN

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from msprobe_engine.backends.torch_distributed import gather_merge
+from msprobe_engine.frameworks.torch.distributed import gather_merge
 from msprobe_engine.stats import P_MAX, P_MIN
 from msprobe_engine.stats.table import MetricKey
 

@@ -8,8 +8,8 @@ from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.transformer_block import TransformerBlock
 
-from msprobe_engine.backends import torch_backend
-from msprobe_engine.collect.torch_modules import ModuleHooks
+from msprobe_engine.frameworks.torch import backend as torch_backend
+from msprobe_engine.frameworks.torch.module_hooks import ModuleHooks
 from msprobe_engine.config import ConfigSource, load_config
 from msprobe_engine.monitor import Monitor
 from msprobe_engine.stats.table import MetricKey

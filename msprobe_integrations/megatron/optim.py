@@ -29,7 +29,7 @@ from megatron.core.optimizer import ChainedOptimizer, MegatronOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 
-from msprobe_engine.collect.torch_optim import STATE_NAMES, HeldGrads, restore_grads, set_aside_grads
+from msprobe_engine.frameworks.torch.optimizer_hooks import STATE_NAMES, HeldGrads, restore_grads, set_aside_grads
 from msprobe_engine.stats.table import MetricKey
 from msprobe_integrations.megatron.wrapping import MethodWrap
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from msprobe_engine.backends.torch_distributed import gather_rows, layout_checksum, merge_stacked
+from msprobe_engine.frameworks.torch.distributed import gather_rows, layout_checksum, merge_stacked
 from msprobe_engine.stats.table import MetricKey
 from msprobe_integrations.megatron.model import Chunk
 

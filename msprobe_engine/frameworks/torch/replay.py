@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from msprobe_engine.collect.torch_optim import restore_grads, set_aside_grads
+from msprobe_engine.frameworks.torch.optimizer_hooks import restore_grads, set_aside_grads
 
 
 @dataclass
@@ -74,7 +74,7 @@ class TorchReplayHost:
     @contextlib.contextmanager
     def tensor_dump(self, path: Path, step: int, level: str) -> Iterator[None]:
         """A tensor dump (``path/step<step>/rank*/``) of every model while the block runs."""
-        from msprobe_engine.dump.session import PrecisionDebugger
+        from msprobe_engine.frameworks.torch.capture.session import PrecisionDebugger
 
         debugger = PrecisionDebugger({"task": "tensor", "dump_path": str(path), "level": level})
         debugger.current_step = step

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from msprobe_engine.collect.torch_modules import in_backward
+from msprobe_engine.frameworks.torch.module_hooks import in_backward
 
 __all__ = ["CallEdges", "GradCall", "after_call", "before_call", "in_backward"]
 

@@ -17,7 +17,7 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
-from msprobe_engine.collect.tensor_identity import KnownTensors, version
+from msprobe_engine.frameworks.torch.tensor_identity import KnownTensors, version
 
 log = logging.getLogger("msprobe_engine")
 

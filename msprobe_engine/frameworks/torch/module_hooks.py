@@ -25,7 +25,7 @@ import torch
 
 from msprobe_engine.collect.flatten import iter_tensors
 from msprobe_engine.collect.selection import ModuleFilter
-from msprobe_engine.collect.torch_flow import TensorFlow
+from msprobe_engine.frameworks.torch.flow import TensorFlow
 from msprobe_engine.incident.graph import INPUT_GRAD_KIND
 from msprobe_engine.stats.table import MetricKey
 

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from mindspore import Parameter, nn
 
-from msprobe_engine.collect.mindspore_cells import jit_safe
+from msprobe_engine.frameworks.mindspore.cell_hooks import jit_safe
 
 if TYPE_CHECKING:
-    from msprobe_engine.dump.mindspore_recorder import CellRecorder
+    from msprobe_engine.frameworks.mindspore.capture.recorder import CellRecorder
 
 PREFIX = "Cell"
 

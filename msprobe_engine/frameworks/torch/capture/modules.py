@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Sequence, Union
 import torch
 
 if TYPE_CHECKING:
-    from msprobe_engine.dump.recorder import Recorder
+    from msprobe_engine.frameworks.torch.capture.recorder import Recorder
 
 Models = Union[torch.nn.Module, Sequence[torch.nn.Module]]
 

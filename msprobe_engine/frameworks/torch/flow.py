@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from msprobe_engine.collect.tensor_identity import KnownTensors, version
+from msprobe_engine.frameworks.torch.tensor_identity import KnownTensors, version
 from msprobe_engine.incident.graph import INPUT_KIND, CallGraph
 from msprobe_engine.stats.table import MetricKey
 

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from msprobe_engine.config.errors import ConfigError
-from msprobe_engine.dump.session import PrecisionDebugger, _check_names
+from msprobe_engine.dump.session import DumpSession, check_names
 from msprobe_engine.dump.writer import array_crc32
 
 log = logging.getLogger("msprobe_engine")
@@ -37,7 +37,7 @@ GRAPH_MODE_WARNING = ("msprobe dump: GRAPH_MODE: Cell hooks do not run in a comp
                       "entries are dumped; use PYNATIVE_MODE (parameter gradients passed to step() are dumped)")
 
 
-class MindSporePrecisionDebugger(PrecisionDebugger):
+class MindSporePrecisionDebugger(DumpSession):
     """A MindSpore dump session; see the module docstring."""
 
     framework = "mindspore"
@@ -62,23 +62,23 @@ class MindSporePrecisionDebugger(PrecisionDebugger):
     def _setup(self, model: Any) -> None:
         from mindspore import nn
 
-        from msprobe_engine.backends import mindspore_backend
-        from msprobe_engine.collect.mindspore_dump_cells import cell_keys
-        from msprobe_engine.dump.mindspore_recorder import CellRecorder
+        from msprobe_engine.frameworks.mindspore import backend as mindspore_backend
+        from msprobe_engine.frameworks.mindspore.capture.cells import cell_keys
+        from msprobe_engine.frameworks.mindspore.capture.recorder import CellRecorder
 
         if not isinstance(model, nn.Cell):
             raise ConfigError(f"level L0 dumps Cells: pass the net (a mindspore.nn.Cell) to start(net), "
                               f"got {type(model).__name__}")
         self.rank, world = _rank_and_world()
         self.config.check_ranks(world)
-        _check_names(self.config, cell_keys(model), None)
+        check_names(self.config, cell_keys(model), None)
         self._recorder = CellRecorder(self.config, mindspore_backend, self._emit_tensors)
         self._hook_model(model)
 
     def _hook_model(self, model: Any) -> None:
         import mindspore as ms
 
-        from msprobe_engine.collect.mindspore_dump_cells import DumpCellHooks, parameter_owners
+        from msprobe_engine.frameworks.mindspore.capture.cells import DumpCellHooks, parameter_owners
 
         if ms.get_context("mode") == ms.GRAPH_MODE:
             log.warning(GRAPH_MODE_WARNING)

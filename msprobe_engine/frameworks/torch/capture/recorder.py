@@ -22,12 +22,12 @@ from typing import Any, Callable
 import torch
 
 from msprobe_engine.collect.flatten import iter_tensors
-from msprobe_engine.collect.torch_api import ApiCatalog, writes_unknown, written_tensors
-from msprobe_engine.collect.torch_backward import GradCall, after_call, before_call, in_backward
+from msprobe_engine.frameworks.torch.capture.api import ApiCatalog, writes_unknown, written_tensors
+from msprobe_engine.frameworks.torch.capture.backward import GradCall, after_call, before_call, in_backward
 from msprobe_engine.dump.config import DumpConfig
 from msprobe_engine.dump.entry import UNHANDLED, TensorSlot, describe
 from msprobe_engine.dump.select import Selection, Want
-from msprobe_engine.dump.stat_buffer import StatBuffer
+from msprobe_engine.frameworks.torch.capture.stat_buffer import StatBuffer
 from msprobe_engine.dump.writer import StepData, array_crc32
 
 log = logging.getLogger("msprobe_engine")

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
-from msprobe_engine.backends.mindspore_backend import Difference, Measured
+from msprobe_engine.frameworks.mindspore.backend import Difference, Measured
 from msprobe_engine.collect.flatten import iter_tensors
 from msprobe_engine.collect.selection import ModuleFilter
 from msprobe_engine.stats.table import MetricKey

@@ -1,0 +1,132 @@
+"""The step lifecycle every integration maps its framework onto, and what a framework provides.
+
+`StepLifecycle` is the contract between an integration (plain PyTorch, DeepSpeed,
+Megatron-core, MindSpore, the trainer callbacks) and the engine: the calls arrive in
+this order on every optimizer step, and `Monitor` implements them::
+
+    micro_step_begin()                 once per micro-batch (forward of the root module)
+    add_tensors(keys, tensors)         any number of times; device-side only
+    before_optimizer_step() -> StepDecision
+                                       at the accumulation boundary, gradients final;
+                                       raises TrainingStopped on `stop`
+    after_optimizer_step()             the framework's optimizer step ran (or was skipped)
+    step_end(loss)                     closes the step: one record to the sinks
+    ...
+    close()                            once, at the end of training
+
+`state_dict()` / `load_state_dict()` carry the step, the rules' state and the incident
+counters across a restart. `Integration` is the small base of the adapters: it holds the
+monitor, forwards the facade users call, and guards each call it makes so an error inside
+the tool never stops the training (strict mode re-raises).
+
+`Framework` is what a framework package (`msprobe_engine.frameworks.<name>.adapter`)
+provides to the core: its statistics backend, the hooks `Monitor.attach` installs, the
+replay host and its dump session.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+
+if TYPE_CHECKING:
+    from msprobe_engine.incident.actions import StepDecision
+    from msprobe_engine.incident.replay import ReplayHost
+    from msprobe_engine.monitor import Monitor
+    from msprobe_engine.records import StepRecord
+    from msprobe_engine.stats.table import MetricKey, StatTable
+
+#: the lifecycle calls, in the order they arrive within one optimizer step
+LIFECYCLE = ("micro_step_begin", "add_tensors", "before_optimizer_step", "after_optimizer_step", "step_end",
+             "close")
+
+
+class StepLifecycle:
+    """The calls an integration makes, in the order of `LIFECYCLE` (see the module docstring).
+    Every method is a no-op here; `Monitor` implements them."""
+
+    def micro_step_begin(self) -> None:
+        """A micro-batch starts (once per forward of the root model); closes a step left open."""
+
+    def add_tensors(self, keys: Sequence["MetricKey"], tensors: Sequence[Any], divisor: float = 1.0, *,
+                    same: Sequence["MetricKey | None"] = ()) -> None:
+        """Tensors measured now, on their device, under `keys`; nothing reaches the host."""
+
+    def before_optimizer_step(self, screen: Callable[["StatTable"], "StatTable"] | None = None) -> "StepDecision":
+        """At the accumulation boundary, gradients final: the decision for the optimizer step
+        (skip it when `decision.skip`); raises `TrainingStopped` for a `stop` rule."""
+        raise NotImplementedError
+
+    def after_optimizer_step(self) -> None:
+        """The framework's optimizer step has run (or was skipped as decided)."""
+
+    def step_end(self, loss: Any = None) -> "StepRecord | None":
+        """Close the optimizer step: one host transfer, the rules, one record to the sinks."""
+
+    def close(self) -> None:
+        """End of training: emit what is pending, flush and close every sink."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain-Python state to save with a checkpoint (step, rules, incidents)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned: the run goes on as if it had not stopped."""
+
+
+class Framework(Protocol):
+    """What a framework package gives the core (`registry.load_framework(name)`)."""
+
+    name: str
+    #: the statistics backend module (partial_stats, concat, to_host, scalar, pick)
+    backend: Any
+
+    def attach(self, monitor: "Monitor", model: Any, optimizer: Any) -> list[Any]:
+        """Install the hooks that feed `monitor` from `model` (and `optimizer`); returns objects
+        with a `remove()` method."""
+
+    def replay_host(self) -> "ReplayHost | None":
+        """The framework side of a step replay (None: this framework cannot replay)."""
+
+    def dump_session(self) -> type:
+        """The framework's `PrecisionDebugger` class (a `dump.session.DumpSession`)."""
+
+
+class Integration:
+    """Base of the adapters: holds the `Monitor` and forwards its facade (`step_end`, `close`,
+    `flush`, `state_dict`, `load_state_dict`, `history`, `incidents`, ...), so an adapter
+    adds only what its framework needs. Adapters call the monitor's lifecycle (`StepLifecycle`)
+    from their framework's hooks, inside `self.guarded(...)` where an error could escape."""
+
+    monitor: "Monitor"
+
+    def __init__(self, monitor: "Monitor") -> None:
+        self.monitor = monitor
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "monitor":  # not set yet (during __init__)
+            raise AttributeError(name)
+        return getattr(self.monitor, name)
+
+    def guarded(self, where: str):
+        """Context manager: an error inside is logged once and disabled (strict mode re-raises)."""
+        return self.monitor.guard(where)
+
+    def step_end(self, loss: Any = None) -> "StepRecord | None":
+        return self.monitor.step_end(loss)
+
+    def flush(self) -> None:
+        self.monitor.flush()
+
+    def close(self) -> None:
+        self.monitor.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.monitor.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.monitor.load_state_dict(state)
+
+    def __enter__(self) -> "Integration":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

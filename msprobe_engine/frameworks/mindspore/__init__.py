@@ -1,0 +1,1 @@
+"""MindSpore: statistics backend, Cell hooks and dump capture (PyNative mode)."""

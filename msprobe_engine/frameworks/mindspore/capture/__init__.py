@@ -1,0 +1,1 @@
+"""MindSpore dump capture: Cell hooks, the recorder and the PrecisionDebugger session."""

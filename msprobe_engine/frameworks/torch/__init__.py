@@ -1,0 +1,1 @@
+"""PyTorch: statistics backend, module and optimizer hooks, replay and dump capture."""

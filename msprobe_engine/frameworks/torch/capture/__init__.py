@@ -1,0 +1,1 @@
+"""PyTorch dump capture: API-level interception, module and backward hooks, the recorder."""
