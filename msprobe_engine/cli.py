@@ -138,7 +138,7 @@ def _check_config_run(args: argparse.Namespace) -> int:
     from msprobe_engine.config import load_config
 
     config = load_config(args.config)  # a ConfigError (a ValueError) names the key
-    print(f"{args.config}: ok; output_dir={config.output_dir}, sinks={','.join(config.sinks)}, "
+    print(f"{args.config}: ok; output_dir={config.output_dir}, sinks={','.join(sink.name for sink in config.sinks)}, "
           f"alerts={','.join(r.rule for r in config.alerts)}")
     return 0
 

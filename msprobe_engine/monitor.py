@@ -25,6 +25,7 @@ import functools
 import itertools
 import logging
 import math
+import os
 import time
 from collections import deque
 from pathlib import Path
@@ -32,16 +33,18 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from msprobe_engine.config import ConfigSource, MonitorConfig, load_config
+from msprobe_engine.config import ConfigError, ConfigSource, MonitorConfig, load_config
 from msprobe_engine.incident.actions import StepDecision, TrainingStopped
 from msprobe_engine.incident.graph import HIDDEN_KINDS, CallGraph
-from msprobe_engine.incident.recorder import Incident, IncidentRecorder
+from msprobe_engine.incident.recorder import Incident, IncidentContext, IncidentRecorder, StepFacts
 from msprobe_engine.incident.replay import ReplayHost, StepCall, every_statistic
 from msprobe_engine.records import AlertEvent, StepRecord
 from msprobe_engine.registry import framework_names, framework_of, load_framework
+from msprobe_engine.contract import StepLifecycle
 from msprobe_engine.rules import AlertTracker, Firing, build_rules
 from msprobe_engine.sinks import BackgroundWriter, create_sinks
-from msprobe_engine.stats import divide
+from msprobe_engine.state import STATE_VERSION, check_state
+from msprobe_engine.stats import divide, empty_rows, numpy_backend, optional_columns
 from msprobe_engine.stats.metrics import MetricNamer
 from msprobe_engine.stats.table import MetricKey, StatTable
 
@@ -53,31 +56,42 @@ ALERT_LOG_SIZE = 1000
 Reducer = Callable[[list[MetricKey], Any], Any]
 
 
-class Monitor:
-    """Per-step numerical-health monitor. See the module docstring for the lifecycle."""
+class Monitor(StepLifecycle):
+    """Per-step numerical-health monitor. See the module docstring for the lifecycle.
 
-    def __init__(self, config: ConfigSource = None, *, rank: int | None = None,
-                 backend: Any = None, writes: bool | None = None) -> None:
+    `backend`: the statistics backend (a framework's `backend` module); by default the one of
+    the framework of the model given to `attach`, or of the first tensors given to
+    `add_tensors`."""
+
+    def __init__(self, config: ConfigSource = None, *, rank: int | None = None, backend: Any = None,
+                 writes: bool | None = None, reducer: "Reducer | None" = None, start_step: int = 0,
+                 layout: dict[str, Any] | None = None) -> None:
+        """`rank`: this process's rank (default: $RANK, else 0); `writes`: whether this rank writes
+        the run (default: rank 0, or every rank with `per_rank`); `reducer`: merges the packed rows
+        over the framework's process groups before the transfer (one collective per step);
+        `start_step`: the framework's own step count (e.g. after a resume); `layout`: the parallel
+        layout recorded in incidents (e.g. {"tp": 2, "pp": 1, "dp": 4})."""
         self.config: MonitorConfig = load_config(config)
         self.rank = _default_rank() if rank is None else rank
         self.backend = backend
-        self.step = 0
+        self.step = start_step
         self.micro_steps = 0
-        self.active = self.config.schedule.is_monitored(0)
+        self.active = self.config.schedule.is_monitored(start_step)
         self.transfers = 0
         self.history: deque[StepRecord] = deque(maxlen=self.config.ring_buffer)
         self.alert_log: deque[AlertEvent] = deque(maxlen=ALERT_LOG_SIZE)
         self.records_written = 0
         self.hook_errors: dict[str, int] = {}
         self.disabled: set[str] = set()
-        self.reducer: Reducer | None = None
+        #: merges the packed rows over process groups just before the transfer (None: one process)
+        self.reducer: Reducer | None = reducer
         self.step_end_listeners: list[Callable[[StepRecord], None]] = []
         self._rules = build_rules(self.config.alerts)
         self._metrics = MetricNamer(self.config.stats, "ratio" in self.config.watch.optimizer_state,
                                     HIDDEN_KINDS)
         self._tracker = AlertTracker()
-        self._count_zeros = "zero_frac" in self.config.stats
-        self.decide_early = any(r.action != "continue" for r in self.config.alerts)
+        self._count_zeros = "zero_count" in optional_columns(self.config.stats)
+        self.decide_early = any(rule.action != "continue" for rule in self._rules)
         self._pending: list[tuple[int, list[MetricKey], Any]] = []
         self._rows: dict[MetricKey, tuple[Any, int]] = {}  # key -> its last pending row given `same`
         self._early: dict[int, tuple[StatTable, list[AlertEvent]]] = {}
@@ -89,15 +103,21 @@ class Monitor:
         if writes is None:  # an integration may choose, e.g. one writer per pipeline stage
             writes = self.rank == 0 or self.config.per_rank
         self._sinks = create_sinks(self.config.sinks, self.run_dir) if writes else []
+        if self._sinks:
+            prepare_output_dir(self.run_dir)
         self.writer = BackgroundWriter(self.config.writer.queue_size, self.config.writer.when_full,
                                        strict=self.config.strict)
-        self.incidents = IncidentRecorder(self) if self.config.incidents.enabled else None
+        for sink in self._sinks:
+            self.writer.submit(sink.open, f"{sink.name} sink open")
+        self.incidents = IncidentRecorder(IncidentContext(
+            self.config, self.rank, "pytorch", self.writer, self._rules, self.history, self._metrics, self.warn,
+        )) if self.config.incidents.enabled else None
         #: filled by the module hooks when incidents are on (what each call read)
         self.graph = CallGraph() if self.incidents is not None else None
         #: (dtype, shape, requires_grad) of the last tensor measured under each key (incidents)
         self.tensor_meta: dict[MetricKey, tuple] = {}
         #: an integration's parallel layout (e.g. {"tp": 2, "pp": 1, "dp": 4}), recorded in incidents
-        self.layout: dict[str, Any] = {}
+        self.layout: dict[str, Any] = dict(layout or {})
         #: the framework side of a replay (`attach` sets the torch one)
         self.replay_host: ReplayHost | None = None
         self._step_call: StepCall | None = None
@@ -113,12 +133,18 @@ class Monitor:
                             f"a registered framework ({', '.join(framework_names())})")
         framework = load_framework(name)
         self.backend = self.backend or framework.backend
-        self._attachments += framework.attach(self, model, optimizer)
+        self._set_framework(name)
+        self.add_attachment(*framework.attach(self, model, optimizer))
         if self.replay_host is None:
             self.replay_host = framework.replay_host()
         if self.replay_host is not None:
             self.replay_host.models.append(model)
         return self
+
+    def add_attachment(self, *attachments: Any) -> None:
+        """Hooks an integration installed for this monitor (objects with `remove()`), removed
+        by `detach`/`close`."""
+        self._attachments += attachments
 
     def detach(self) -> None:
         for attachment in self._attachments:
@@ -134,6 +160,11 @@ class Monitor:
             self.step_end()
         self.micro_steps += 1
 
+    def _set_framework(self, name: str) -> None:
+        """Incidents write dump.json in the format of the framework being monitored."""
+        if self.incidents is not None:
+            self.incidents.context.framework = "mindspore" if name == "mindspore" else "pytorch"
+
     def add_tensors(self, keys: Sequence[MetricKey], tensors: Sequence[Any], divisor: float = 1.0, *,
                     same: Sequence[MetricKey | None] = ()) -> None:
         """Measure `tensors` (named by `keys`) on their device; no host transfer. `divisor` (> 0,
@@ -144,6 +175,8 @@ class Monitor:
         (the backend's `pick`)."""
         if not (self.active and tensors):
             return
+        if self.backend is None:
+            self._find_backend(tensors[0])
         measured = [t for t, prior in zip(tensors, same) if prior is None] if same else tensors
         if not measured:
             rows = None
@@ -178,9 +211,23 @@ class Monitor:
         """Tell the monitor this step's loss (a tensor or a number), before or after the step."""
         if not self.active or loss is None:
             return
-        if not hasattr(loss, "shape"):
-            loss = self.backend.scalar(float(loss))
-        self.add_tensors([MetricKey("train", "loss")], [loss])
+        with self.guard("report_loss"):
+            if not hasattr(loss, "shape"):
+                loss = float(loss)
+                if self.backend is None:  # no framework seen yet: the number is measured on the host
+                    self._find_backend(loss)
+                loss = self.backend.scalar(loss)
+            self.add_tensors([MetricKey("train", "loss")], [loss])
+
+    def _find_backend(self, tensor: Any) -> None:
+        """No backend was given: take the one of the framework `tensor` belongs to (numbers and
+        numpy arrays: the host backend)."""
+        name = framework_of(tensor)
+        if name is None:
+            self.backend = numpy_backend
+            return
+        self.backend = load_framework(name).backend
+        self._set_framework(name)
 
     def before_optimizer_step(self, screen: Callable[[StatTable], StatTable] | None = None) -> StepDecision:
         """At the accumulation boundary, once the gradients are final. When a rule's action needs
@@ -210,12 +257,14 @@ class Monitor:
             decision = StepDecision(tuple(firing))
             made = self._start_incidents(self.step, table, table, events, firing)
             if made:
-                self.incidents.conclude(made, self._step_call, "the step was not run through Monitor.run_step")
+                self.incidents.conclude(made, self._step_call, "the step was not run through Monitor.run_step",
+                                        self.replay_host, self.replay_statistics)
         if decision.stop:
             self._stop(decision, made)
         return decision
 
     def after_optimizer_step(self) -> None:
+        """The framework's optimizer step has run (or was skipped as decided)."""
         if not self._replaying:
             self._optimizer_done = True
 
@@ -228,19 +277,53 @@ class Monitor:
         if self.active:
             with self.guard("step end"):
                 record = self._finish_step()
+        self._advance()
+        return record
+
+    def _advance(self) -> None:
+        """The next optimizer step begins."""
         self.step += 1
         self.micro_steps = 0
         self._optimizer_done = False
         self.active = self.config.schedule.is_monitored(self.step)
-        return record
 
     def close(self) -> None:
         """Emit what is still pending, flush every writer and close the sinks."""
         self.drain()
         for sink in self._sinks:
-            self.writer.submit(sink.close, "sink close")
-        self.detach()
+            self.writer.submit(sink.close, f"{sink.name} sink close")
+        with self.guard("close"):
+            self.detach()
         self.writer.close()
+
+    # ---- state ------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The run's state to save with a checkpoint (plain Python types; `torch.save`-able):
+        the step, every rule's running state, open alert episodes and incident counters.
+        Emit pending records first (`drain`) so nothing measured is lost."""
+        return {
+            "version": STATE_VERSION,
+            "step": self.step,
+            "rules": [{"rule": rule.name, "state": rule.state_dict()} for rule in self._rules],
+            "episodes": self._tracker.state_dict(),
+            "incidents": self.incidents.state_dict() if self.incidents is not None else None,
+            "records_written": self.records_written,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned: the run goes on from the saved step with the same
+        rule state (running averages, open episodes) and incident counters."""
+        check_state(state, [rule.name for rule in self._rules])
+        self.step = int(state["step"])
+        self.micro_steps = 0
+        self._optimizer_done = False
+        self.active = self.config.schedule.is_monitored(self.step)
+        for rule, saved in zip(self._rules, state["rules"]):
+            rule.load_state_dict(saved["state"])
+        self._tracker.load_state_dict(state["episodes"])
+        if self.incidents is not None and state.get("incidents"):
+            self.incidents.load_state_dict(state["incidents"])
+        self.records_written = int(state.get("records_written", 0))
 
     def drain(self) -> None:
         """Emit the records still held back (early-decision mode keeps a step's record until
@@ -252,7 +335,7 @@ class Monitor:
     def flush(self) -> None:
         """Wait until everything submitted so far is written."""
         for sink in self._sinks:
-            self.writer.submit(sink.flush, "sink flush")
+            self.writer.submit(sink.flush, f"{sink.name} sink flush")
         self.writer.flush()
 
     # ---- replay -----------------------------------------------------------------
@@ -344,7 +427,7 @@ class Monitor:
         pending, self._pending = self._pending, []
         self._rows.clear()
         if not pending:
-            return {self.step: StatTable([], np.empty((0, 8)))}
+            return {self.step: StatTable([], empty_rows())}
         keys = [k for _, ks, _ in pending for k in ks]
         rows = self.backend.concat([r for _, _, r in pending])
         if reduce and self.reducer is not None:
@@ -356,7 +439,7 @@ class Monitor:
         for step in dict.fromkeys(steps.tolist()):
             mask = steps == step
             tables[step] = StatTable.from_rows([k for k, m in zip(keys, mask) if m], host[mask])
-        tables.setdefault(self.step, StatTable([], np.empty((0, 8))))
+        tables.setdefault(self.step, StatTable([], empty_rows()))
         return tables
 
     def _finish_step(self) -> StepRecord | None:
@@ -374,7 +457,7 @@ class Monitor:
     def _emit_late(self, tables: dict[int, StatTable]) -> list[Firing]:
         """Early-decision mode: join each earlier step's post-step rows with its pre-step table.
         Returns what fires in those post-step rows."""
-        empty = StatTable([], np.empty((0, 8)))
+        empty = StatTable([], empty_rows())
         fired: list[Firing] = []
         for step in sorted(set(self._early) | set(tables)):
             late = tables.get(step, empty)
@@ -392,7 +475,11 @@ class Monitor:
 
     def _start_incidents(self, step: int, table: StatTable, fresh: StatTable, events: list[AlertEvent],
                          firing: list[Firing]) -> list[Incident]:
-        return self.incidents.observe(step, table, fresh, events, firing) if self.incidents is not None else []
+        if self.incidents is None:
+            return []
+        facts = StepFacts(self._early_micro_steps.get(step, self.micro_steps), self.graph, self.tensor_meta,
+                          self.layout)
+        return self.incidents.observe(step, table, fresh, events, firing, facts)
 
     def _conclude_late(self, made: list[Incident]) -> None:
         if made:
@@ -420,7 +507,7 @@ class Monitor:
         self.history.append(record)
         self.alert_log.extend(events)
         for sink in self._sinks:
-            self.writer.submit(lambda sink=sink: sink.write(record), f"{type(sink).__name__} write")
+            self.writer.submit(lambda sink=sink: sink.write(sink.selected(record)), f"{sink.name} sink write")
         self.records_written += 1
         for listener in self.step_end_listeners:
             listener(record)
@@ -436,5 +523,14 @@ def _fmt(value: float) -> str:
 
 
 def _default_rank() -> int:
-    import os
     return int(os.environ.get("RANK", "0"))
+
+
+def prepare_output_dir(run_dir: Path) -> None:
+    """Create `run_dir`, or raise `ConfigError` naming the path and the reason (before training)."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"output_dir: cannot create {run_dir}: {exc.strerror or exc}") from None
+    if not os.access(run_dir, os.W_OK | os.X_OK):
+        raise ConfigError(f"output_dir: {run_dir} is not writable")

@@ -17,16 +17,20 @@ from __future__ import annotations
 from typing import Any
 
 from msprobe_engine.config import ConfigSource
+from msprobe_engine.contract import Integration
 from msprobe_engine.monitor import Monitor
 
 
-def TorchMonitor(model: Any, optimizer: Any = None, config: ConfigSource = None, **kwargs: Any) -> Monitor:
-    """Create a `Monitor` attached to a torch model and torch.optim optimizer."""
-    import torch
+class TorchMonitor(Integration):
+    """A `Monitor` attached to a torch model and torch.optim optimizer; the monitor's facade
+    (`step_end`, `run_step`, `report_loss`, `history`, `state_dict`, ...) is reached through it."""
 
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"TorchMonitor: model must be a torch.nn.Module, got {type(model).__name__}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError("TorchMonitor: optimizer must be a torch.optim.Optimizer, got "
-                        f"{type(optimizer).__name__}; pass None to monitor the model only")
-    return Monitor(config, **kwargs).attach(model, optimizer)
+    def __init__(self, model: Any, optimizer: Any = None, config: ConfigSource = None, **kwargs: Any) -> None:
+        import torch
+
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"TorchMonitor: model must be a torch.nn.Module, got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError("TorchMonitor: optimizer must be a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}; pass None to monitor the model only")
+        super().__init__(Monitor(config, **kwargs).attach(model, optimizer))

@@ -69,7 +69,7 @@ def test_predecessor_monitor_keys_map_onto_ours():
     assert config.modules.names == ["layers.0", "layers.1"]
     assert config.watch.module_outputs and config.watch.activation_grads and config.watch.param_grads
     assert config.watch.optimizer_state == ["exp_avg", "exp_avg_sq"] and not config.watch.params
-    assert config.stats == ["min", "max", "norm", "nan_count"] and config.sinks == ["tensorboard"]
+    assert config.stats == ["min", "max", "norm", "nan_count"] and [s.name for s in config.sinks] == ["tensorboard"]
     spike = [r for r in config.alerts if r.rule == "spike"]
     assert len(spike) == 1 and spike[0].factor == 1.5
 

@@ -207,8 +207,6 @@ def test_non_finite_alert_starts_and_ends_once_and_names_the_layer(tmp_path, cap
 
 def test_spike_rule_fires_after_warmup_and_reports_episodes(tmp_path):
     monitor = Monitor(config(tmp_path, sinks=[], alerts=[{"rule": "spike", "factor": 3.0, "warmup": 3}]))
-    from msprobe_engine.frameworks.torch import backend as torch_backend
-    monitor.backend = torch_backend
     losses = [1.0, 1.1, 0.9, 1.0, 50.0, 60.0, 1.0, 1.0]
     for loss in losses:
         monitor.step_end(torch.tensor(loss))
@@ -230,7 +228,7 @@ class Exploding(nn.Module):
 def test_a_hook_error_is_reported_once_and_training_goes_on(tmp_path, caplog):
     model, opt = gpt_and_adam()
     monitor = TorchMonitor(model, opt, config(tmp_path, strict=False, sinks=[]))
-    monitor.backend = BrokenBackend(monitor.backend)
+    monitor.monitor.backend = BrokenBackend(monitor.monitor.backend)
     with caplog.at_level(logging.ERROR, logger="msprobe_engine"):
         losses = train(model, opt, 3, monitor)
     monitor.close()
@@ -245,7 +243,7 @@ def test_a_hook_error_is_reported_once_and_training_goes_on(tmp_path, caplog):
 def test_strict_mode_re_raises_hook_errors(tmp_path):
     model, opt = gpt_and_adam()
     monitor = TorchMonitor(model, opt, config(tmp_path, sinks=[]))
-    monitor.backend = BrokenBackend(monitor.backend)
+    monitor.monitor.backend = BrokenBackend(monitor.monitor.backend)
     with pytest.raises(RuntimeError, match="boom"):
         train(model, opt, 1, monitor)
 

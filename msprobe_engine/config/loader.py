@@ -88,11 +88,30 @@ def _convert(hint: Any, value: Any, path: str, meta: typing.Mapping) -> Any:
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{path}: expected a list, got {_show(value)}")
+        if "registry" in meta:
+            return [_component(meta, v, f"{path}[{i}]") for i, v in enumerate(value)]
         item = typing.get_args(hint)[0]
         return [_convert(item, v, f"{path}[{i}]", meta) for i, v in enumerate(value)]
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, path)
     return _scalar(hint, value, path, meta)
+
+
+def _component(meta: typing.Mapping, value: Any, path: str) -> Any:
+    """One entry of a list of registered components (rules, sinks): the class named by its
+    `meta["key"]` builds it from its own `Config`, so keys it does not have are errors."""
+    registry, key = meta["registry"], meta["key"]
+    if meta.get("shorthand") and isinstance(value, str):
+        value = {key: value}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: expected a mapping with '{key}', got {_show(value)}")
+    if key not in value:
+        raise ConfigError(f"{path}.{key}: required key is missing (one of {', '.join(registry.names())})")
+    cls = registry.get(value[key], f"{path}.{key}")
+    check = getattr(cls, "check_available", None)
+    if check is not None:
+        check(path)
+    return _build(cls.Config, value, path)
 
 
 def _scalar(hint: type, value: Any, path: str, meta: typing.Mapping) -> Any:
@@ -108,6 +127,8 @@ def _scalar(hint: type, value: Any, path: str, meta: typing.Mapping) -> Any:
     if not ok:
         raise ConfigError(f"{path}: expected {hint.__name__}, got {_show(value)}")
     allowed = meta.get("choices")
+    if allowed is not None and not isinstance(allowed, tuple):  # a registry: its names now
+        allowed = allowed.names()
     if allowed and value not in allowed:
         raise ConfigError(f"{path}: {value!r} is not one of {', '.join(allowed)}")
     if "min" in meta and value < meta["min"]:

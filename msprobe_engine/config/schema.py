@@ -9,22 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from msprobe_engine.stats import DEFAULT_STATS, STAT_NAMES
+from msprobe_engine.config.fields import at_least, choices, registered
+from msprobe_engine.rules import RULES, Rule
+from msprobe_engine.sinks import SINKS, Sink
+from msprobe_engine.stats import DEFAULT_STATS, STATISTICS
 
 OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq", "update", "ratio")
-SINK_NAMES = ("tensorboard", "csv", "jsonl")
-RULE_NAMES = ("non_finite", "spike")
-RULE_TARGETS = ("loss", "actv", "actv_grad", "grad", "param", "optim")
-ACTIONS = ("continue", "skip", "stop")
 REPLAY_LEVELS = ("L0", "mix")
-
-
-def choices(*values: str) -> dict:
-    return {"choices": values}
-
-
-def at_least(minimum: float) -> dict:
-    return {"min": minimum}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -69,21 +60,6 @@ class Writer:
 
 
 @dataclass(kw_only=True, slots=True)
-class Rule:
-    """One alert rule. `non_finite` watches nan/inf in `targets`; `spike` watches the
-    metrics matching `metrics` (glob patterns over TensorBoard tags) for a value above
-    `factor` times its running average after `warmup` observations."""
-    rule: str = field(metadata=choices(*RULE_NAMES))
-    targets: list[str] = field(
-        default_factory=lambda: list(RULE_TARGETS), metadata=choices(*RULE_TARGETS))
-    metrics: list[str] = field(default_factory=lambda: ["train/loss", "grad/global/norm"])
-    factor: float = field(default=3.0, metadata=at_least(1.0))
-    warmup: int = field(default=10, metadata=at_least(0))
-    smoothing: float = field(default=0.9, metadata={"min": 0.0, "max": 0.999})
-    action: str = field(default="continue", metadata=choices(*ACTIONS))
-
-
-@dataclass(kw_only=True, slots=True)
 class Replay:
     """Re-run of a step whose anomaly was found before the optimizer step, with a tensor dump
     (`level` L0: modules; mix: modules and APIs) into the incident directory. Only steps run
@@ -104,8 +80,13 @@ class Incidents:
     replay: Replay = field(default_factory=Replay)
 
 
-def default_rules() -> list[Rule]:
-    return [Rule(rule="non_finite"), Rule(rule="spike")]
+def default_rules() -> list[Rule.Config]:
+    """non_finite on every kind, spike on the loss and the global gradient norm."""
+    return [RULES.get(name).Config(rule=name) for name in ("non_finite", "spike")]
+
+
+def default_sinks() -> list[Sink.Config]:
+    return [SINKS.get(name).Config(name=name) for name in ("tensorboard", "jsonl")]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -116,10 +97,10 @@ class MonitorConfig:
     schedule: Schedule = field(default_factory=Schedule)
     watch: Watch = field(default_factory=Watch)
     modules: ModuleSelection = field(default_factory=ModuleSelection)
-    stats: list[str] = field(default_factory=lambda: list(DEFAULT_STATS), metadata=choices(*STAT_NAMES))
-    sinks: list[str] = field(default_factory=lambda: ["tensorboard", "jsonl"], metadata=choices(*SINK_NAMES))
+    stats: list[str] = field(default_factory=lambda: list(DEFAULT_STATS), metadata={"choices": STATISTICS})
+    sinks: list[Sink.Config] = field(default_factory=default_sinks, metadata=registered(SINKS, "name", shorthand=True))
     writer: Writer = field(default_factory=Writer)
     ring_buffer: int = field(default=32, metadata=at_least(1))
     per_rank: bool = False
-    alerts: list[Rule] = field(default_factory=default_rules)
+    alerts: list[Rule.Config] = field(default_factory=default_rules, metadata=registered(RULES, "rule"))
     incidents: Incidents = field(default_factory=Incidents)

@@ -24,7 +24,6 @@ from typing import Sequence
 import numpy as np
 
 from msprobe_engine.incident.graph import INPUT_GRAD_KIND, INPUT_KIND, CallGraph, is_ancestor, module_path
-from msprobe_engine.stats import P_INF, P_NAN
 from msprobe_engine.stats.table import MetricKey, StatTable
 
 FORWARD_KINDS = ("actv", INPUT_KIND)
@@ -51,11 +50,6 @@ class Culprit:
 def row_name(key: MetricKey) -> str:
     """``kind/path/role`` (the TensorBoard tag without its statistic)."""
     return f"{key.kind}/{key.path}/{key.role}" if key.role else f"{key.kind}/{key.path}"
-
-
-def non_finite_rows(table: StatTable) -> np.ndarray:
-    """True for the rows holding a nan or an inf."""
-    return (table.partials[:, P_NAN] + table.partials[:, P_INF]) > 0
 
 
 def first_culprit(table: StatTable, bad: np.ndarray, graph: CallGraph | None = None) -> Culprit | None:

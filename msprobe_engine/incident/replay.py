@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Protocol
 
-from msprobe_engine.stats import STAT_NAMES
+from msprobe_engine.stats import STATISTICS
 from msprobe_engine.stats.table import StatTable
 
 log = logging.getLogger("msprobe_engine")
@@ -75,7 +75,7 @@ class ReplayResult:
 def every_statistic(table: StatTable) -> dict[str, float]:
     """Tag -> value of every statistic of every row (where a tensor that fired is looked up)."""
     stats = table.finalized()
-    return {key.tag(stat): float(stats[stat][i]) for stat in STAT_NAMES for i, key in enumerate(table.keys)}
+    return {key.tag(stat): float(stats[stat][i]) for stat in STATISTICS.names() for i, key in enumerate(table.keys)}
 
 
 def not_run(why: str) -> ReplayResult:

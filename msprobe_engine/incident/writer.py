@@ -21,7 +21,7 @@ from typing import Any, Callable
 from msprobe_engine.dump.reader import DUMP_JSON
 from msprobe_engine.dump.writer import dump_json_text, write_file
 from msprobe_engine.records import StepRecord
-from msprobe_engine.sinks.jsonl_sink import JsonlSink
+from msprobe_engine.sinks.jsonl_sink import JSONL_NAME
 
 INCIDENT_JSON = "incident.json"
 DUMP_DIR = "dump"
@@ -43,12 +43,7 @@ class IncidentFiles:
         incident directory); `dump_data` builds the entries here."""
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            sink = JsonlSink(self.directory)
-            try:
-                for record in records:
-                    sink.write(record)
-            finally:
-                sink.close()
+            write_file(self.directory / JSONL_NAME, "".join(record.as_json() + "\n" for record in records))
             rank_dir = self.directory / dump_rank_dir
             rank_dir.mkdir(parents=True, exist_ok=True)
             write_file(rank_dir / DUMP_JSON, dump_json_text(dump_meta, dump_data()))

@@ -2,18 +2,23 @@
 from __future__ import annotations
 
 import csv
-from pathlib import Path
+from typing import IO, Any
 
 from msprobe_engine.records import StepRecord
-from msprobe_engine.sinks.base import register_sink
+from msprobe_engine.sinks.base import Sink, register_sink
 
 CSV_NAME = "metrics.csv"
 
 
 @register_sink("csv")
-class CsvSink:
-    def __init__(self, run_dir: Path) -> None:
-        path = run_dir / CSV_NAME
+class CsvSink(Sink):
+    """Every metric of every step as a `step,tag,value` row; alerts as `alert/<rule>` 1/0."""
+
+    _file: IO[str]
+    _csv: Any
+
+    def open(self) -> None:
+        path = self.run_dir / CSV_NAME
         new = not path.exists() or path.stat().st_size == 0
         self._file = open(path, "a", encoding="utf-8", newline="")
         self._csv = csv.writer(self._file)

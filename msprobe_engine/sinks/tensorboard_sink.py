@@ -1,22 +1,22 @@
 """TensorBoard event files written with the tensorboard package itself (no torch needed)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 from tensorboard.compat.proto.event_pb2 import Event
 from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
 from msprobe_engine.records import StepRecord
-from msprobe_engine.sinks.base import register_sink
+from msprobe_engine.sinks.base import Sink, register_sink
 
 
 @register_sink("tensorboard")
-class TensorBoardSink:
+class TensorBoardSink(Sink):
     """One scalar per metric tag; alerts as `alert/<rule>` = 1 at start, 0 at end."""
 
-    def __init__(self, run_dir: Path) -> None:
-        self._writer = EventFileWriter(str(run_dir))
+    _writer: EventFileWriter
+
+    def open(self) -> None:
+        self._writer = EventFileWriter(str(self.run_dir))
 
     def write(self, record: StepRecord) -> None:
         values = [Summary.Value(tag=tag, simple_value=value) for tag, value in record.metrics.items()]

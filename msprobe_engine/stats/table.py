@@ -6,7 +6,7 @@ from typing import Iterable, NamedTuple
 
 import numpy as np
 
-from msprobe_engine.stats import P_SUMSQ, PARTIAL_COLUMNS, finalize, merge
+from msprobe_engine.stats import N_COLUMNS, P_INF, P_NAN, P_SUMSQ, finalize, merge
 
 
 class MetricKey(NamedTuple):
@@ -26,7 +26,7 @@ class MetricKey(NamedTuple):
 class StatTable:
     """Partial rows for unique keys in execution order (first appearance wins)."""
     keys: list[MetricKey]
-    partials: np.ndarray  # [len(keys), 8]
+    partials: np.ndarray  # [len(keys), N_COLUMNS]
     metrics: dict[str, float] | None = field(default=None, repr=False)  # filled by the monitor
     _finalized: dict[str, np.ndarray] | None = field(default=None, repr=False)
 
@@ -39,8 +39,8 @@ class StatTable:
         for i, key in enumerate(keys):
             groups[i] = index.setdefault(key, len(index))
         if len(index) == len(keys):
-            return cls(keys, np.asarray(rows, dtype=np.float64).reshape(-1, len(PARTIAL_COLUMNS)))
-        merged = np.empty((len(index), len(PARTIAL_COLUMNS)))
+            return cls(keys, np.asarray(rows, dtype=np.float64).reshape(-1, N_COLUMNS))
+        merged = np.empty((len(index), N_COLUMNS))
         for g in range(len(index)):
             merged[g] = merge(rows[groups == g])
         return cls(list(index), merged)
@@ -58,3 +58,7 @@ class StatTable:
         """sqrt of the summed squares of every row of `kind` (e.g. the global grad norm)."""
         mask = self.select(kind)
         return float(np.sqrt(self.partials[mask, P_SUMSQ].sum())) if mask.any() else float("nan")
+
+    def non_finite(self) -> np.ndarray:
+        """Boolean mask of the rows holding a nan or an inf."""
+        return (self.partials[:, P_NAN] + self.partials[:, P_INF]) > 0

@@ -44,14 +44,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from msprobe_engine.config import ConfigSource
+from msprobe_engine.config import ConfigSource, load_config
+from msprobe_engine.contract import Integration
 from msprobe_engine.monitor import Monitor
 
 __all__ = ["DeepSpeedMonitor"]
 
 
-class DeepSpeedMonitor(Monitor):
-    """A `Monitor` wired into a DeepSpeed engine (see the module docstring).
+class DeepSpeedMonitor(Integration):
+    """A `Monitor` wired into a DeepSpeed engine (see the module docstring); the monitor's
+    facade (`step_end`, `close`, `history`, `state_dict`, ...) is reached through it.
 
     `engine_monitor=True` also sends every step's metrics through `engine.monitor`
     (DeepSpeed's own TensorBoard/CSV/W&B monitor, when its config enables one), at
@@ -68,36 +70,38 @@ class DeepSpeedMonitor(Monitor):
         from msprobe_integrations.deepspeed.merge import RankMerge
         from msprobe_integrations.deepspeed.shards import shard_reader
 
+        config = load_config(config)
         distributed = dist.is_initialized()
-        super().__init__(config, rank=dist.get_rank() if distributed else 0, backend=torch_backend)
-        self.engine = engine
-        self.step = engine.global_steps  # steps follow DeepSpeed's, also after a resume
-        self.active = self.config.schedule.is_monitored(self.step)
         group = getattr(engine, "seq_data_parallel_group", None) or engine.data_parallel_group
+        reducer = RankMerge(group, per_rank=config.per_rank)
+        # steps follow DeepSpeed's, also after a resume
+        monitor = Monitor(config, rank=dist.get_rank() if distributed else 0, backend=torch_backend,
+                          reducer=reducer, start_step=engine.global_steps)
+        super().__init__(monitor)
+        self.engine = engine
         if engine.mpu is not None:
-            self.warn("model parallelism is set: statistics are merged over the data-parallel group "
-                      "only; set per_rank: true to keep every model-parallel rank's records")
-        self.reducer = RankMerge(group, per_rank=self.config.per_rank)
-        reader = shard_reader(engine, dist.get_rank(group) if distributed else 0, self.reducer.world, self.warn)
-        self._attachments += [ModuleHooks(self, engine.module), EngineHooks(self, engine, reader)]
+            monitor.warn("model parallelism is set: statistics are merged over the data-parallel group "
+                         "only; set per_rank: true to keep every model-parallel rank's records")
+        reader = shard_reader(engine, dist.get_rank(group) if distributed else 0, reducer.world, monitor.warn)
+        monitor.add_attachment(ModuleHooks(monitor, engine.module), EngineHooks(monitor, engine, reader))
         if engine_monitor:
             self._send_to_engine_monitor()
 
     def _send_to_engine_monitor(self) -> None:
-        engine = self.engine
+        engine, monitor = self.engine, self.monitor
         if not engine.monitor.enabled:
-            self.warn("engine_monitor=True, but the DeepSpeed config enables none of its monitors "
-                      "(tensorboard, csv_monitor, wandb, comet): metrics go to our sinks only")
+            monitor.warn("engine_monitor=True, but the DeepSpeed config enables none of its monitors "
+                         "(tensorboard, csv_monitor, wandb, comet): metrics go to our sinks only")
             return
-        if self.rank != 0:
+        if monitor.rank != 0:
             return
 
         def send(record) -> None:
             samples = (record.step + 1) * engine.train_batch_size()
             events = [(tag, value, samples) for tag, value in record.metrics.items()]
-            self.writer.submit(lambda: engine.monitor.write_events(events), "DeepSpeed monitor write")
+            monitor.writer.submit(lambda: engine.monitor.write_events(events), "DeepSpeed monitor write")
 
-        self.step_end_listeners.append(send)
+        monitor.step_end_listeners.append(send)
 
 
 def _check_engine(engine: Any) -> None:

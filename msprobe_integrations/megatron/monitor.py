@@ -11,6 +11,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from msprobe_engine.frameworks.torch import backend as torch_backend
 from msprobe_engine.frameworks.torch.module_hooks import ModuleHooks
 from msprobe_engine.config import ConfigSource, load_config
+from msprobe_engine.contract import Integration
 from msprobe_engine.monitor import Monitor
 from msprobe_engine.stats.table import MetricKey
 from msprobe_integrations.megatron.model import describe_problems, prefix_if_clashing, unwrap_chunks
@@ -25,14 +26,15 @@ REJECTED = MetricKey("train", "megatron_rejected")
 UNWATCHED = (IdentityOp, IdentityFuncOp, TransformerBlock)
 
 
-class MegatronMonitor(Monitor):
+class MegatronMonitor(Integration):
     """Monitor Megatron-core model chunks and their optimizer (see docs/megatron.md).
 
     Create it once the model chunks and the optimizer exist, and call
     `step_end(loss)` after each `train_step`. Activations come from module hooks
     on every chunk, gradients from the optimizer's `prepare_grads`, weights and
     optimizer state from its `step`; statistics are merged over the tensor- and
-    data-parallel groups with one all-gather each per transfer.
+    data-parallel groups with one all-gather each per transfer. The monitor's facade
+    (`history`, `state_dict`, ...) is reached through it.
     """
 
     def __init__(self, model_chunks: Any, optimizer: Any, config: ConfigSource = None,
@@ -41,27 +43,27 @@ class MegatronMonitor(Monitor):
         check_optimizer(optimizer)
         config = load_config(config)
         layout = Layout.of(chunks)
+        named = [item for chunk in chunks for item in chunk.named_parameters()]
+        slots, sharded, more = find_slots(optimizer, named)
+        partitioned = {name for name, p in named if getattr(p, "tensor_model_parallel", False)}
         kwargs.setdefault("writes", config.per_rank or layout.stage_leader)
         kwargs.setdefault("backend", torch_backend)
-        super().__init__(config, **kwargs)
+        monitor = Monitor(config, reducer=StatReducer(layout, partitioned, sharded),
+                          layout={"tp": layout.size(layout.tp_group), "dp": layout.size(layout.dp_group),
+                                  "pp": layout.pp_size}, **kwargs)
+        super().__init__(monitor)
         problems = describe_problems(chunks, layout.size(layout.tp_group), layout.size(layout.dp_group),
                                      layout.pp_size)
         problems += prefix_if_clashing(chunks)
-        named = [item for chunk in chunks for item in chunk.named_parameters()]
-        slots, sharded, more = find_slots(optimizer, named)
         for problem in problems + more:
-            self.warn(problem)
-        if layout.pp_size > 1 and self.decide_early:
-            self.warn(f"skip/stop rules under {layout.pp_size} pipeline stages: each stage decides on "
-                      "its own statistics; a stage that stops leaves the others waiting")
-        self.layout = {"tp": layout.size(layout.tp_group), "dp": layout.size(layout.dp_group),
-                       "pp": layout.pp_size}
-        partitioned = {name for name, p in named if getattr(p, "tensor_model_parallel", False)}
-        self.reducer = StatReducer(layout, partitioned, sharded)
-        self._attachments += [ModuleHooks(self, chunk.module, name_map=chunk.rename, counts_micro_steps=i == 0,
-                                          exclude_types=UNWATCHED)
-                              for i, chunk in enumerate(chunks)]
-        self._attachments.append(OptimizerTap(self, optimizer, slots))
+            monitor.warn(problem)
+        if layout.pp_size > 1 and monitor.decide_early:
+            monitor.warn(f"skip/stop rules under {layout.pp_size} pipeline stages: each stage decides on "
+                         "its own statistics; a stage that stops leaves the others waiting")
+        monitor.add_attachment(*[ModuleHooks(monitor, chunk.module, name_map=chunk.rename, counts_micro_steps=i == 0,
+                                             exclude_types=UNWATCHED)
+                                 for i, chunk in enumerate(chunks)])
+        monitor.add_attachment(OptimizerTap(monitor, optimizer, slots))
         self._watch_validation()
 
     def _watch_validation(self) -> None:
@@ -70,36 +72,38 @@ class MegatronMonitor(Monitor):
         machine = get_rerun_state_machine()
         names = ("validate_result", "should_checkpoint_and_exit")
         if not all(callable(getattr(machine, name, None)) for name in names):
-            self.warn("Megatron's rerun state machine has no validate_result or should_checkpoint_and_exit: "
-                      "a step its nan check rejects may be lost when the run stops")
+            self.monitor.warn("Megatron's rerun state machine has no validate_result or should_checkpoint_and_exit: "
+                              "a step its nan check rejects may be lost when the run stops")
             return
-        self._attachments += [MethodWrap(machine, "validate_result", on_error=self._on_rejected),
-                              MethodWrap(machine, "should_checkpoint_and_exit", after=self._on_exit_decision)]
+        self.monitor.add_attachment(MethodWrap(machine, "validate_result", on_error=self._on_rejected),
+                                    MethodWrap(machine, "should_checkpoint_and_exit", after=self._on_exit_decision))
 
     def _on_exit_decision(self, decision: tuple) -> tuple:
         """Megatron's re-run engine decided to stop (every rank learns it together): close the
         step now, merged as usual, and write it before train_step returns."""
+        monitor = self.monitor
         if decision[1]:
-            with self.guard("recording the step before Megatron exits"):
-                self.step_end()
-                self.active = False  # the caller's step_end for this iteration adds nothing
-                self.drain()
-                self.flush()
+            with monitor.guard("recording the step before Megatron exits"):
+                monitor.step_end()
+                monitor.active = False  # the caller's step_end for this iteration adds nothing
+                monitor.drain()
+                monitor.flush()
         return decision
 
     def _on_rejected(self, args: tuple, kwargs: dict) -> None:
         """Megatron's validation (e.g. `check_for_nan_in_loss_and_grad`) is about to raise:
         close the step and write it now, from this rank's own statistics (without the
         merge: the other ranks may never reach another collective)."""
+        monitor = self.monitor
         result = kwargs.get("result", args[0] if args else None)
-        reducer, self.reducer = self.reducer, None
+        reducer, monitor.reducer = monitor.reducer, None
         try:
-            with self.guard("recording the step Megatron's check rejected"):
-                if self.active:
+            with monitor.guard("recording the step Megatron's check rejected"):
+                if monitor.active:
                     if isinstance(result, torch.Tensor):
-                        self.add_tensors([REJECTED], [result.detach()])
-                    self.step_end()
-                self.drain()
-                self.flush()
+                        monitor.add_tensors([REJECTED], [result.detach()])
+                    monitor.step_end()
+                monitor.drain()
+                monitor.flush()
         finally:
-            self.reducer = reducer
+            monitor.reducer = reducer

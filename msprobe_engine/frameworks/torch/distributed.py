@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from msprobe_engine.stats import P_MAX, P_MIN
+from msprobe_engine.stats.columns import MAX_COLUMNS, MIN_COLUMNS
 from msprobe_engine.stats.table import MetricKey
 
 
@@ -43,8 +43,8 @@ def layout_checksum(keys: Sequence[MetricKey]) -> int:
 def merge_stacked(stacked: torch.Tensor) -> torch.Tensor:
     """Merge ``[n, k, 8]`` partial rows along the first axis."""
     merged = stacked.sum(dim=0)
-    merged[:, P_MIN] = stacked[:, :, P_MIN].amin(dim=0)
-    merged[:, P_MAX] = stacked[:, :, P_MAX].amax(dim=0)
+    merged[:, MIN_COLUMNS] = stacked[:, :, MIN_COLUMNS].amin(dim=0)
+    merged[:, MAX_COLUMNS] = stacked[:, :, MAX_COLUMNS].amax(dim=0)
     return merged
 
 

@@ -1,0 +1,76 @@
+"""The rule interface: a registered class with its own `Config`, evaluated on host statistics.
+
+A rule sees a step's table (partial rows), its finalized statistics and its tagged
+metrics, and returns what fires now (`Firing`); `AlertTracker` (`rules.episodes`) turns
+that into episodes. A rule also says which rows an incident should blame (`blame`) and
+carries its running state across a restart (`state_dict` / `load_state_dict`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from msprobe_engine.config.fields import choices
+from msprobe_engine.registry import Registry
+from msprobe_engine.stats.table import StatTable
+
+ACTIONS = ("continue", "skip", "stop")
+
+
+@dataclass(slots=True)
+class Firing:
+    """A rule condition that holds on this step."""
+    rule: str
+    episode: str  # what identifies the episode (one alert per episode)
+    tag: str      # the first metric that fired, in execution order
+    value: float
+    threshold: float | None
+    action: str
+    also: tuple[str, ...] = ()  # other tags firing in the same episode (e.g. parent modules)
+
+
+class Rule:
+    """Base of every alert rule; subclasses register with `@register_rule(name)`."""
+
+    name: ClassVar[str]
+
+    @dataclass(kw_only=True, slots=True)
+    class Config:
+        """`rule`: the registered name; `action`: what a firing does to the training."""
+        rule: str
+        action: str = field(default="continue", metadata=choices(*ACTIONS))
+
+    def __init__(self, config: "Rule.Config") -> None:
+        self.config = config
+
+    @property
+    def action(self) -> str:
+        return self.config.action
+
+    def evaluate(self, table: StatTable, stats: dict[str, np.ndarray], metrics: dict[str, float]) -> list[Firing]:
+        """What fires on this table (empty list: nothing)."""
+        raise NotImplementedError
+
+    def blame(self, table: StatTable, deviation: np.ndarray) -> np.ndarray:
+        """Boolean mask of the rows an incident of this rule blames, given each row's
+        deviation from its running average (x its usual norm); the first culprit is found
+        among them. Default: rows deviating more than 3x."""
+        return deviation > 3.0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Running state to carry across a restart (plain Python types)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""
+
+
+RULES: Registry[type[Rule]] = Registry("rule", "msprobe_engine.rules.builtin")
+register_rule = RULES.register
+
+
+def build_rules(configs: list[Rule.Config]) -> list[Rule]:
+    """One rule object per configured rule, in config order."""
+    return [RULES.get(config.rule)(config) for config in configs]

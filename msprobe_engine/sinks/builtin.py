@@ -1,0 +1,2 @@
+"""The built-in sinks, one file each (importing this module registers them)."""
+from msprobe_engine.sinks import csv_sink, jsonl_sink, tensorboard_sink  # noqa: F401
