@@ -211,7 +211,7 @@ def test_fp16_overflow_steps_are_reported_as_skipped_not_as_anomalies(launches, 
 
 def test_ranks_measuring_different_modules_fail_loudly(launches):
     for results in launches[2][1]:
-        assert "the data-parallel ranks measured different tensors" in results["different modules"]
+        assert "the ranks of the data-parallel group measured different tensors" in results["different modules"]
 
 
 @pytest.mark.parametrize("world, name", [(1, "zero0-fp16"), (1, "zero3-fp16"), (2, "zero2-fp16")])

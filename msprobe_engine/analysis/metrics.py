@@ -14,11 +14,12 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from msprobe_engine.dump.schema import STAT_KEYS
+from msprobe_engine.registry import load_framework
 
 CHUNK = 1 << 18  # elements; 3 float64 buffers of 2 MiB and a 256 KiB mask per thread
 THOUSANDTH = 0.001
@@ -58,7 +59,7 @@ class _Buffers:
     def __init__(self, chunk: int) -> None:
         self.f64 = np.empty((3, chunk))
         self.mask = np.empty(chunk, bool)
-        self.torch_f64 = None
+        self.copy_torch: Callable[[int, Any], None] | None = None
 
     @classmethod
     def get(cls, chunk: int) -> _Buffers:
@@ -86,12 +87,10 @@ class _Sums:
         n = len(a_in)
         a, b = self.buf.f64[0, :n], self.buf.f64[1, :n]
         if _is_torch(a_in):
-            if self.buf.torch_f64 is None:
-                import torch  # already imported by whoever made the tensor
-
-                self.buf.torch_f64 = torch.from_numpy(self.buf.f64)
-            self.buf.torch_f64[0, :n].copy_(a_in)
-            self.buf.torch_f64[1, :n].copy_(b_in)
+            if self.buf.copy_torch is None:  # torch is imported already: whoever made the tensor did
+                self.buf.copy_torch = load_framework("torch").numpy_copier(self.buf.f64)
+            self.buf.copy_torch(0, a_in)
+            self.buf.copy_torch(1, b_in)
         else:
             np.copyto(a, a_in, casting="unsafe")
             np.copyto(b, b_in, casting="unsafe")

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from msprobe_engine.dump.schema import TensorRef, validate_dump_json
+from msprobe_engine.registry import load_framework
 
 DUMP_JSON = "dump.json"
 STACK_JSON = "stack.json"
@@ -123,35 +124,10 @@ class RankDump:
             if file.suffix == ".npy":
                 return np.load(file, mmap_mode="r" if mapped else None, allow_pickle=False)
             if file.suffix == ".pt":
-                return _load_pt(file, mapped)
+                return load_framework("torch").load_tensor_file(file, mapped)
         except Exception as e:  # torch.load/np.load raise many types for a corrupt or foreign file
             raise DumpError(f"{where}: cannot load tensor: {type(e).__name__}: {str(e).splitlines()[0]}") from None
         raise DumpError(f"{where}: unknown tensor file type {file.suffix!r} (expected .pt or .npy)")
-
-
-def _load_pt(file: Path, mapped: bool = False) -> Any:
-    """A .pt file through ``torch.load(weights_only=True)``: a numpy array, or with ``mapped`` the
-    torch tensor itself, memory-mapped (files of the legacy, non-zip format are read instead)."""
-    import torch  # lazy: only tensor dumps written by PyTorch need it
-
-    if mapped:
-        try:
-            obj = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as e:
-            if "zipfile" not in str(e):  # only the legacy format cannot be mapped
-                raise
-            obj = torch.load(file, map_location="cpu", weights_only=True)
-    else:
-        obj = torch.load(file, map_location="cpu", weights_only=True)
-    if not isinstance(obj, torch.Tensor):
-        raise ValueError(f"holds a {type(obj).__name__}, not a tensor")
-    obj = obj.detach().resolve_conj().resolve_neg()
-    if mapped:
-        return obj
-    try:
-        return obj.numpy()
-    except TypeError:  # bfloat16, float8: types numpy lacks
-        return obj.float().numpy()
 
 
 def load_rank_dir(path: Path, strict: bool = True) -> RankDump:

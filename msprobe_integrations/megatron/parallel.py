@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from msprobe_engine.frameworks.torch.distributed import gather_rows, layout_checksum, merge_stacked
+from msprobe_engine.frameworks.torch.distributed import AUTO, MERGE, ONCE, GroupMerge, layout_checksum
 from msprobe_engine.stats.table import MetricKey
 from msprobe_integrations.megatron.model import Chunk
 
@@ -72,37 +72,21 @@ class StatReducer:
         self.layout = layout
         self.tp_partitioned = tp_partitioned
         self.dp_sharded = dp_sharded
-        self._checked: set[int] = set()  # key layouts already proven equal on every rank
+        self.tp = GroupMerge(layout.tp_group, "tensor") if layout.size(layout.tp_group) > 1 else None
+        self.dp = GroupMerge(layout.dp_group, "data") if layout.size(layout.dp_group) > 1 else None
+
+    def tp_policy(self, key: MetricKey) -> str:
+        if key.kind in PARAM_KINDS:
+            return MERGE if key.path in self.tp_partitioned else ONCE
+        return AUTO  # replicated activations are taken once, partitioned ones merged
+
+    def dp_policy(self, key: MetricKey) -> str:
+        return ONCE if key.kind in PARAM_KINDS and key.path not in self.dp_sharded else MERGE
 
     def __call__(self, keys: list[MetricKey], rows: torch.Tensor) -> torch.Tensor:
-        layout = self.layout
         checksum = layout_checksum(keys)
-        if layout.size(layout.tp_group) > 1:
-            once = [k.kind in PARAM_KINDS and k.path not in self.tp_partitioned for k in keys]
-            auto = [k.kind not in PARAM_KINDS for k in keys]
-            rows = self._merge(checksum, rows, layout.tp_group, "tensor", once, auto)
-        if layout.size(layout.dp_group) > 1:
-            once = [k.kind in PARAM_KINDS and k.path not in self.dp_sharded for k in keys]
-            rows = self._merge(checksum, rows, layout.dp_group, "data", once, None)
-        self._checked.add(checksum)
+        if self.tp is not None:
+            rows = self.tp(keys, rows, self.tp_policy, checksum)
+        if self.dp is not None:
+            rows = self.dp(keys, rows, self.dp_policy, checksum)
         return rows
-
-    def _merge(self, checksum: int, rows: torch.Tensor, group: object, what: str,
-               once: list[bool], auto: list[bool] | None) -> torch.Tensor:
-        """One all-gather; rows marked `once` come from the group's first rank, rows marked
-        `auto` too when all ranks hold identical bits, every other row is merged. A marker
-        row carries the key checksum, checked (one small host read) when the layout is new."""
-        marker = torch.full((1, rows.shape[1]), float(checksum), dtype=rows.dtype, device=rows.device)
-        stacked = gather_rows(torch.cat([rows, marker]), group)
-        if checksum not in self._checked and bool((stacked[:, -1, 0] != checksum).any()):
-            raise RuntimeError(
-                f"msprobe: the ranks of a {what}-parallel group measured different tensors this step; "
-                "their statistics cannot be merged. Every rank of the group must run the same modules "
-                "and report a loss alike (all or none).")
-        stacked = stacked[:, :-1]
-        take_first = torch.tensor(once, dtype=torch.bool, device=rows.device)
-        if auto is not None and any(auto):
-            bits = stacked.view(torch.int64)
-            identical = (bits == bits[:1]).all(dim=2).all(dim=0)
-            take_first |= identical & torch.tensor(auto, dtype=torch.bool, device=rows.device)
-        return torch.where(take_first[:, None], stacked[0], merge_stacked(stacked))

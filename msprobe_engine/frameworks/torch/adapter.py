@@ -1,9 +1,12 @@
 """The PyTorch framework as the core sees it (`registry.load_framework("torch")`)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
 
-from msprobe_engine.frameworks.torch import backend
+import numpy as np
+
+from msprobe_engine.frameworks.torch import backend, tensor_files
 from msprobe_engine.frameworks.torch.module_hooks import ModuleHooks
 from msprobe_engine.frameworks.torch.optimizer_hooks import OptimizerHooks
 from msprobe_engine.frameworks.torch.replay import TorchReplayHost
@@ -24,6 +27,13 @@ class TorchFramework:
 
     def replay_host(self) -> TorchReplayHost:
         return TorchReplayHost()
+
+    def load_tensor_file(self, file: Path, mapped: bool = False) -> Any:
+        """A ``.pt`` tensor file of a dump (`tensor_files.load_tensor_file`)."""
+        return tensor_files.load_tensor_file(file, mapped)
+
+    def numpy_copier(self, buffer: np.ndarray) -> Callable[[int, Any], None]:
+        return tensor_files.numpy_copier(buffer)
 
     def dump_session(self) -> type:
         from msprobe_engine.frameworks.torch.capture.session import PrecisionDebugger

@@ -1,15 +1,24 @@
-"""Merge partial-statistics rows across the ranks of a torch.distributed group.
+"""Merge partial-statistics rows across the ranks of a torch.distributed group: one policy for
+every integration (DeepSpeed, Megatron-core, DDP/FSDP).
 
-One collective per call: every rank contributes its ``[k, 8]`` rows (the same
-keys in the same order, e.g. the local shards of the same parameters), they
-are all-gathered into one ``[world, k, 8]`` tensor and merged on the device
-with the exact math of `msprobe_engine.stats.merge` (min of mins, max of
-maxes, sums add). No full tensor is ever gathered.
+One collective per group and transfer: every rank contributes its packed rows (the same keys
+in the same order) plus one marker row holding a checksum of the key layout; they are
+all-gathered into ``[world, k + 1, N_COLUMNS]`` and each row is combined as its policy says:
+
+- `MERGE`: the ranks hold different pieces (shards, other data): the exact merge of
+  `stats.columns` (min of mins, max of maxes, sums add);
+- `ONCE`: the ranks hold copies (a replicated parameter): the first rank's row;
+- `LOCAL`: rank-local data kept as it is (per-rank records): this rank's own row;
+- `AUTO`: `ONCE` where every rank measured the very same bits, `MERGE` otherwise.
+
+The marker is checked (one small host read) the first time a layout is seen: ranks that
+measured different tensors fail loudly instead of merging unrelated rows. No full tensor is
+ever gathered.
 """
 from __future__ import annotations
 
 import zlib
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -17,17 +26,60 @@ import torch.distributed as dist
 from msprobe_engine.stats.columns import MAX_COLUMNS, MIN_COLUMNS
 from msprobe_engine.stats.table import MetricKey
 
+MERGE, ONCE, LOCAL, AUTO = "merge", "once", "local", "auto"
 
-def gather_merge(rows: torch.Tensor, group=None) -> torch.Tensor:
-    """Return the rows merged over every rank of `group` (identical on all ranks)."""
-    if dist.get_world_size(group) == 1:
-        return rows
-    return merge_stacked(gather_rows(rows, group))
+Policy = Callable[[MetricKey], str]
 
 
-def gather_rows(rows: torch.Tensor, group=None) -> torch.Tensor:
-    """All-gather every rank's ``[k, 8]`` rows into ``[world, k, 8]`` (one collective), for
-    callers that merge some rows and keep others (e.g. tensors replicated across the group)."""
+class GroupMerge:
+    """Merges packed rows over one process group (`what` names it in errors: "data", "tensor")."""
+
+    def __init__(self, group: object = None, what: str = "data") -> None:
+        self.group = group
+        self.what = what
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self._checked: set[int] = set()
+        self._masks: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]] = {}
+
+    def __call__(self, keys: Sequence[MetricKey], rows: torch.Tensor, policy: Policy,
+                 checksum: int | None = None) -> torch.Tensor:
+        """`rows` merged over the group, row `i` as `policy(keys[i])` says."""
+        if self.world == 1:
+            return rows
+        checksum = layout_checksum(keys) if checksum is None else checksum
+        marker = torch.full((1, rows.shape[1]), float(checksum), dtype=rows.dtype, device=rows.device)
+        stacked = gather_rows(torch.cat([rows, marker]), self.group)
+        if checksum not in self._checked:
+            if bool((stacked[:, -1] != float(checksum)).any()):
+                raise RuntimeError(
+                    f"msprobe: the ranks of the {self.what}-parallel group measured different tensors this "
+                    "step (the module calls differ between ranks, e.g. data-dependent branches, or not every "
+                    "rank reported a loss); their statistics cannot be merged. Every rank must run the same "
+                    "modules and report alike; or watch fewer modules (config `modules`).")
+            self._checked.add(checksum)
+        stacked = stacked[:, :-1]
+        once, local, auto, any_auto = self._policy_masks(checksum, keys, policy, rows.device)
+        if any_auto:
+            bits = stacked.view(torch.int64)
+            once = once | (auto & (bits == bits[:1]).all(dim=2).all(dim=0))
+        merged = torch.where(once[:, None], stacked[0], merge_stacked(stacked))
+        return torch.where(local[:, None], rows, merged)
+
+    def _policy_masks(self, checksum: int, keys: Sequence[MetricKey], policy: Policy,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+        """(once, local, auto) row masks of a layout, built once per layout."""
+        masks = self._masks.get(checksum)
+        if masks is None:
+            kinds = [policy(key) for key in keys]
+            once, local, auto = ([k == p for k in kinds] for p in (ONCE, LOCAL, AUTO))
+            masks = self._masks[checksum] = (torch.tensor(once, dtype=torch.bool, device=device),
+                                            torch.tensor(local, dtype=torch.bool, device=device),
+                                            torch.tensor(auto, dtype=torch.bool, device=device), any(auto))
+        return masks
+
+
+def gather_rows(rows: torch.Tensor, group: object = None) -> torch.Tensor:
+    """All-gather every rank's ``[k, N_COLUMNS]`` rows into ``[world, k, N_COLUMNS]`` (one collective)."""
     world = dist.get_world_size(group)
     gathered = torch.empty((world * rows.shape[0], rows.shape[1]), dtype=rows.dtype, device=rows.device)
     _all_gather(gathered, rows.contiguous(), group=group)
@@ -41,7 +93,7 @@ def layout_checksum(keys: Sequence[MetricKey]) -> int:
 
 
 def merge_stacked(stacked: torch.Tensor) -> torch.Tensor:
-    """Merge ``[n, k, 8]`` partial rows along the first axis."""
+    """Merge ``[n, k, N_COLUMNS]`` partial rows along the first axis (`stats.columns`' merge)."""
     merged = stacked.sum(dim=0)
     merged[:, MIN_COLUMNS] = stacked[:, :, MIN_COLUMNS].amin(dim=0)
     merged[:, MAX_COLUMNS] = stacked[:, :, MAX_COLUMNS].amax(dim=0)
