@@ -43,6 +43,7 @@ class Registry(Generic[T]):
         def add(cls: T) -> T:
             if not name or not isinstance(name, str):
                 raise ValueError(f"a {self.kind} needs a non-empty name, got {name!r}")
+            self._load()  # the built-ins first, whoever registers first
             self._entries[name] = cls
             setattr(cls, "name", name)
             return cls

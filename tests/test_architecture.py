@@ -41,6 +41,7 @@ def test_core_imports_without_any_framework():
 
 
 CONFIG = """
+plugins: [tests.plugins.rms_statistic, tests.plugins.loss_above_rule, tests.plugins.lines_sink]
 output_dir: {out}
 strict: true
 stats: [norm, rms]
@@ -85,6 +86,11 @@ def test_a_statistic_a_rule_and_a_sink_from_outside_the_package(tmp_path):
 def test_a_key_a_rule_does_not_have_is_named(entry, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config({"alerts": [entry]})
+
+
+def test_a_plugin_that_cannot_be_imported_is_named():
+    with pytest.raises(ConfigError, match=r"plugins\[1\]: cannot import 'no_such_module_here'"):
+        load_config({"plugins": ["tests.plugins.rms_statistic", "no_such_module_here"]})
 
 
 def test_sinks_take_their_own_settings_and_unknown_ones_are_named():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import json
 import typing
 from pathlib import Path
@@ -54,9 +55,25 @@ def read_file(path: Path) -> dict:
 def from_dict(data: dict, origin: str = "config") -> MonitorConfig:
     """Validate a plain dict (ours or the predecessor's monitor keys) into a config."""
     try:
+        if isinstance(data, dict):
+            import_plugins(data.get("plugins", []))
         return _build(MonitorConfig, translate_legacy(data), "")
     except ConfigError as exc:
         raise ConfigError(f"{origin}: {exc}") from None
+
+
+def import_plugins(modules: Any) -> None:
+    """Import the modules listed under `plugins` (they register statistics, rules, sinks)
+    before the rest of the config is validated against the registries."""
+    if not isinstance(modules, list):
+        raise ConfigError(f"plugins: expected a list of module names, got {_show(modules)}")
+    for i, name in enumerate(modules):
+        if not isinstance(name, str):
+            raise ConfigError(f"plugins[{i}]: expected a module name, got {_show(name)}")
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # an ImportError or an error inside the user's module
+            raise ConfigError(f"plugins[{i}]: cannot import {name!r}: {type(exc).__name__}: {exc}") from None
 
 
 def _build(cls: type, data: Any, path: str) -> Any:

@@ -92,6 +92,8 @@ def default_sinks() -> list[Sink.Config]:
 @dataclass(kw_only=True, slots=True)
 class MonitorConfig:
     """The whole monitor configuration (see README, "Configuration")."""
+    #: modules imported before the config is validated (they register statistics, rules, sinks)
+    plugins: list[str] = field(default_factory=list)
     output_dir: str = "./msprobe_output"
     strict: bool = False
     schedule: Schedule = field(default_factory=Schedule)
