@@ -142,8 +142,8 @@ def _graph_run(args: argparse.Namespace) -> int:
     from msprobe_engine.analysis.graph import build_graphs, incident_graphs, is_incident, write_outputs
     from msprobe_engine.analysis.graph.report import format_graphs
 
-    if args.incident and args.target_path:
-        raise ValueError("give either an incident directory or -tp <dump>, not both")
+    if args.incident and (args.target_path or args.golden_path):
+        raise ValueError("give either an incident directory or -tp <dump> [-gp <reference>], not both")
     if args.incident:
         if not is_incident(args.incident):
             raise ValueError(f"{args.incident}: not an incident directory (no incident.json); for a dump use -tp")

@@ -10,7 +10,7 @@ import pytest
 
 from graph_helpers import PERTURBED, dump
 from msprobe_engine.analysis.graph import build_graph, build_graphs, write_outputs
-from msprobe_engine.analysis.graph.model import ERROR, PASS, ROOT
+from msprobe_engine.analysis.graph.model import ERROR, PASS, ROOT, WARNING
 from msprobe_engine.cli import main
 from msprobe_engine.dump import load_dump
 
@@ -83,6 +83,26 @@ def test_the_perturbed_layer_is_the_first_divergence_and_its_parents_contain_it(
     assert summary["first_divergence"]["ancestors"] == ["Module.blocks.1.Block.forward.0"]
     page = files["html"].read_text()
     assert PERTURBED in page and "<script src" not in page and "http" not in page.split("<script")[1]
+
+
+def test_tensor_dumps_compare_tensors_per_node(tmp_path):
+    ref, target = dump(tmp_path / "ref", "L0", task="tensor"), dump(tmp_path / "target", "L0", task="tensor", gain=3.0)
+    result = build_graphs(target, ref)
+    graph = result.targets[0]
+    # tensors are judged by cosine and error ratios (as compare does): a pure x3 keeps the cosine at 1,
+    # so the layer is a warning, and the block, which adds its input back, is the first error
+    assert result.mode == "tensor" and graph.first_divergence == "Module.blocks.1.Block.forward.0"
+    assert graph.nodes[PERTURBED].precision == WARNING
+    record = graph.nodes[PERTURBED].outputs[f"{PERTURBED}.output.0"]
+    assert record["Cosine"] == pytest.approx(1.0) and record["MaxRelativeErr"] == pytest.approx(2.0)
+    assert record["Result"] == "warning"
+    assert graph.nodes["Module.blocks.1.Block.forward.0"].outputs["Module.blocks.1.Block.forward.0.output.0"][
+        "Cosine"] < 0.99
+    rows = _db_rows(write_outputs(result, tmp_path / "out")["vis_db"])
+    conn = sqlite3.connect(next((tmp_path / "out").glob("*.vis.db")))
+    assert conn.execute("SELECT task FROM tb_config").fetchone() == ("all",)
+    conn.close()
+    assert rows[PERTURBED]["precision_index"] == 0.5
 
 
 def test_at_level_mix_the_first_divergence_is_the_api_call_inside_the_layer(tmp_path):

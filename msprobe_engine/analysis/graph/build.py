@@ -11,6 +11,7 @@ construct.json (level L1) the graph is flat: every call right under the root, wi
 from __future__ import annotations
 
 import re
+from collections import deque
 from typing import Any
 
 from msprobe_engine.analysis.graph.model import API, API_GROUP, MODULE, ROOT, Graph, Node
@@ -158,9 +159,9 @@ def build_graph(dump: RankDump) -> Graph:
         return graph
     for name in construct:
         graph.add(name, node_kind(name), None)
-    pending = list(graph.nodes.values())[1:]
+    pending = deque(list(graph.nodes.values())[1:])
     while pending:
-        node = pending.pop(0)
+        node = pending.popleft()
         parent = resolve_parent(construct, node.name)
         if parent is not None and parent not in graph.nodes:
             pending.append(graph.add(parent, node_kind(parent), None))  # named as a parent only
