@@ -48,9 +48,13 @@ def _chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def comparison(tmp_path_factory):
+    """A comparison in run `compare` and an overflow-checked build of two steps in run `overflow`
+    of one logdir; the comparison's files."""
     root = tmp_path_factory.mktemp("graph")
     result = build_graphs(dump(root / "target", "L0", gain=3.0), dump(root / "ref", "L0"))
-    return write_outputs(result, root / "logdir")
+    write_outputs(build_graphs(dump(root / "nan", "L0", gain=float("nan"), steps=2), overflow_check=True),
+                  root / "logdir" / "overflow")
+    return write_outputs(result, root / "logdir" / "compare")
 
 
 class Plugin:
@@ -74,7 +78,7 @@ class Plugin:
 def tensorboard(comparison):
     port = _free_port()
     log = open(comparison["vis_db"].parent.parent / "tensorboard.log", "w")
-    proc = subprocess.Popen([sys.executable, "-c", TENSORBOARD, "--logdir", str(comparison["vis_db"].parent),
+    proc = subprocess.Popen([sys.executable, "-c", TENSORBOARD, "--logdir", str(comparison["vis_db"].parent.parent),
                              "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     plugin = Plugin(port)
@@ -98,7 +102,7 @@ def test_the_plugin_serves_our_hierarchy_and_diff(comparison, tensorboard):
     runs = json.loads(plugin.get("load_meta_dir"))["data"]
     run = comparison["vis_db"].parent.name
     tag = comparison["vis_db"].name[:-len(".vis.db")]
-    assert runs == {run: {"type": "db", "tags": [tag]}}
+    assert runs[run] == {"type": "db", "tags": [tag]} and set(runs) == {"compare", "overflow"}
     plugin.get(f"loadGraphData?run={run}&tag={tag}&type=db")
     meta = {"run": run, "tag": tag, "type": "db", "lang": "en", "microStep": -1, "rank": 0, "step": 0}
     config = plugin.post("loadGraphConfigInfo", {"metaData": meta})["data"]
@@ -123,6 +127,22 @@ def test_the_plugin_serves_our_hierarchy_and_diff(comparison, tensorboard):
     assert info["data"]["bench"]["node_name"] == PERTURBED
     found = plugin.post("screen", {"metaData": meta, "type": "precision", "values": [[0.6, 1]]})["data"]
     assert found[0] == PERTURBED  # leaves in execution order: the first divergence comes first
+
+
+def test_the_plugin_serves_a_single_graph_of_two_steps_with_overflow_marks(tensorboard):
+    _, plugin = tensorboard
+    (tag,) = json.loads(plugin.get("load_meta_dir"))["data"]["overflow"]["tags"]
+    plugin.get(f"loadGraphData?run=overflow&tag={tag}&type=db")
+    # step 0: the scale layer makes the nan from good inputs; step 1: the update made the parameters nan
+    for step, level, first in ((0, "critical", PERTURBED), (1, "high", "Module.blocks.0.fc.Linear.forward.0")):
+        meta = {"run": "overflow", "tag": tag, "type": "db", "lang": "en", "microStep": -1, "rank": 0, "step": step}
+        config = plugin.post("loadGraphConfigInfo", {"metaData": meta})["data"]
+        assert config["isSingleGraph"] is True and config["steps"] == [0, 1] and config["overflowCheck"] is True
+        top = plugin.post("changeNodeExpandState", {"nodeInfo": {"nodeName": "root", "nodeType": "Single"},
+                                                    "metaData": meta})["data"]
+        assert top[BLOCK]["parentNode"] == "DefaultModel" and top[BLOCK]["precisionIndex"] is None
+        found = plugin.post("screen", {"metaData": meta, "type": "overflow", "values": [level]})["data"]
+        assert found[0] == first  # leaves in execution order
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="needs chromium")
@@ -206,25 +226,27 @@ MINDSPORE_DUMP = textwrap.dedent("""
         def construct(self, x):
             return self.head(self.b1(self.b0(x)))
 
-    ms.set_seed(0)
-    net = Net(float(sys.argv[2]))
-    debugger = MindSporePrecisionDebugger({"task": "statistics", "dump_path": sys.argv[1], "level": "L0"})
     loss = nn.MSELoss()
-    grad_fn = ms.value_and_grad(lambda x, y: loss(net(x), y), None, net.trainable_params())
-    debugger.start(net)
-    _, grads = grad_fn(Tensor(np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4)), Tensor(np.zeros((2, 1), np.float32)))
-    debugger.stop()
-    debugger.step(grads)
-    debugger.close()
+    for name, gain in (("ref", 1.0), ("target", 3.0)):  # one process: MindSpore takes long to import
+        ms.set_seed(0)
+        net = Net(gain)
+        debugger = MindSporePrecisionDebugger({"task": "statistics", "dump_path": f"{sys.argv[1]}/{name}",
+                                               "level": "L0"})
+        grad_fn = ms.value_and_grad(lambda x, y: loss(net(x), y), None, net.trainable_params())
+        debugger.start(net)
+        _, grads = grad_fn(Tensor(np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4)),
+                           Tensor(np.zeros((2, 1), np.float32)))
+        debugger.stop()
+        debugger.step(grads)
+        debugger.close()
 """)
 
 
 def test_a_mindspore_dump_gives_a_graph_of_its_cells(tmp_path):
-    for name, gain in (("ref", 1.0), ("target", 3.0)):
-        done = subprocess.run([sys.executable, "-c", MINDSPORE_DUMP, str(tmp_path / name), str(gain)],
-                              capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path.cwd())})
-        assert done.returncode == 0, done.stderr[-3000:]
+    done = subprocess.run([sys.executable, "-c", MINDSPORE_DUMP, str(tmp_path)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                            "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert done.returncode == 0, done.stderr[-3000:]
     result = build_graphs(tmp_path / "target", tmp_path / "ref")
     (graph,) = result.targets
     assert graph.nodes["Cell.b1.fc.Dense.forward.0"].parent == "Cell.b1.Block.forward.0"
