@@ -166,6 +166,13 @@ def test_overflow_check_marks_the_nan_layer(tmp_path):
     assert rows[PERTURBED]["overflow_level"] == "critical"
 
 
+def test_a_corrupt_construct_json_is_named(tmp_path, capsys):
+    root = dump(tmp_path / "d", "L0")
+    (root / "step0" / "rank" / "construct.json").write_text("[1, 2]")
+    assert main(["graph", "-tp", str(root), "-o", str(tmp_path / "o")]) == 1
+    assert "construct.json: expected an object" in capsys.readouterr().err
+
+
 def test_cli_errors_name_what_is_missing(tmp_path, capsys):
     assert main(["graph", "-tp", str(tmp_path / "missing"), "-o", str(tmp_path / "o")]) == 1
     assert "missing" in capsys.readouterr().err

@@ -15,7 +15,7 @@ from collections import deque
 from typing import Any
 
 from msprobe_engine.analysis.graph.model import API, API_GROUP, MODULE, ROOT, Graph, Node
-from msprobe_engine.dump.reader import CONSTRUCT_JSON, RankDump
+from msprobe_engine.dump.reader import CONSTRUCT_JSON, DumpError, RankDump
 from msprobe_engine.dump.schema import iter_tensors, parse_entry_name
 
 API_GROUP_NAME = "Apis_Between_Modules"
@@ -145,6 +145,9 @@ def build_graph(dump: RankDump) -> Graph:
     graph = Graph(dump.step, dump.rank, str(dump.path), task=dump.task, framework=dump.framework)
     graph.add(ROOT, MODULE, None)
     construct = dump.construct()
+    if not isinstance(construct, dict):
+        raise DumpError(f"{dump.path / CONSTRUCT_JSON}: expected an object (entry -> parent entry), "
+                        f"got {type(construct).__name__}")
     stacks = _stacks(dump)
     for name, entry in dump.data.items():
         node = graph.add(name, node_kind(name), None)
