@@ -21,8 +21,9 @@ if TYPE_CHECKING:
 
 
 def _node(node: Node) -> dict[str, Any]:
-    flags = [f for f, on in (("first-divergence", node.first_divergence), ("contains-divergence", node.contains_divergence),
-                             ("culprit", node.culprit), ("contains-culprit", node.contains_culprit)) if on]
+    marks = (("first-divergence", node.first_divergence), ("contains-divergence", node.contains_divergence),
+             ("culprit", node.culprit), ("contains-culprit", node.contains_culprit))
+    flags = [name for name, on in marks if on]
     return {"p": node.parent, "c": node.children, "cls": node.class_name, "flags": flags, "ov": node.overflow,
             "m": node.matched, "r": node.reason, "in": node.inputs, "out": node.outputs}
 

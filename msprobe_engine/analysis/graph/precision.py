@@ -19,7 +19,8 @@ from msprobe_engine.analysis.graph.model import ERROR, PRECISION_OF_STATUS, Grap
 from msprobe_engine.dump.schema import STAT_KEYS
 
 STAT_DIFF_NAMES = {"Max": "Max diff", "Min": "Min diff", "Mean": "Mean diff", "Norm": "L2norm diff"}
-STAT_REL_NAMES = {"Max": "MaxRelativeErr", "Min": "MinRelativeErr", "Mean": "MeanRelativeErr", "Norm": "NormRelativeErr"}
+STAT_REL_NAMES = {"Max": "MaxRelativeErr", "Min": "MinRelativeErr", "Mean": "MeanRelativeErr",
+                  "Norm": "NormRelativeErr"}
 TENSOR_METRIC_NAMES = {"cosine": "Cosine", "max_abs_err": "MaxAbsErr", "max_rel_err": "MaxRelativeErr",
                        "one_thousandth_ratio": "One Thousandth Err Ratio",
                        "five_thousandth_ratio": "Five Thousandths Err Ratio", "euclidean_distance": "EucDist"}
