@@ -16,21 +16,11 @@ import pytest
 
 from graph_helpers import PERTURBED, dump
 from msprobe_engine.analysis.graph import build_graphs, write_outputs
+from msprobe_engine.analysis.graph.tensorboard import tensorboard_command
 
 pytestmark = pytest.mark.slow
 CHROMIUM = shutil.which("chromium")
 BLOCK = "Module.blocks.1.Block.forward.0"
-# mindstudio-probe bundles its own copy of the plugin under the same name ("graph_ascend"), so with
-# both installed `tensorboard` refuses to start ("Duplicate plugins"); this starts it with
-# TensorBoard's own plugins and tb-graph-ascend's (module `server.plugin`) only.
-TENSORBOARD = textwrap.dedent("""
-    import sys
-    from tensorboard import default, program
-    from server.plugin import GraphsPlugin
-    board = program.TensorBoard(plugins=default.get_static_plugins() + [GraphsPlugin])
-    board.configure(argv=[None] + sys.argv[1:])
-    sys.exit(board.main())
-""")
 
 
 def _free_port() -> int:
@@ -78,8 +68,8 @@ class Plugin:
 def tensorboard(comparison):
     port = _free_port()
     log = open(comparison["vis_db"].parent.parent / "tensorboard.log", "w")
-    proc = subprocess.Popen([sys.executable, "-c", TENSORBOARD, "--logdir", str(comparison["vis_db"].parent.parent),
-                             "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+    command = tensorboard_command(comparison["vis_db"].parent.parent)  # what `graph` prints
+    proc = subprocess.Popen([*command, "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     plugin = Plugin(port)
     try:

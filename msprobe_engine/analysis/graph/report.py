@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from msprobe_engine.analysis.graph.service import GraphSet
+from msprobe_engine.analysis.graph.tensorboard import format_command
 
 
 def format_graphs(result: GraphSet, files: dict[str, Path]) -> str:
@@ -32,7 +33,7 @@ def format_graphs(result: GraphSet, files: dict[str, Path]) -> str:
             lines.append(f"  nan/inf in {len(overflow)} node(s), first {overflow[0]}")
     if result.problems:
         lines.append(f"{len(result.problems)} problem(s) in the input, first: {result.problems[0]}")
-    lines.append(f"TensorBoard (tb-graph-ascend): tensorboard --logdir {files['vis_db'].parent}")
+    lines.append(f"TensorBoard (tb-graph-ascend): {format_command(files['vis_db'].parent)}")
     lines.append(f"HTML report: {files['html']}")
     lines.append(f"summary: {files['summary']}")
     return "\n".join(lines)
