@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from msprobe_engine.analysis.compare import Thresholds, compare_dumps
+from msprobe_engine.analysis.compare import Thresholds, compare_rank_dumps
 from msprobe_engine.analysis.graph.build import build_graph
 from msprobe_engine.analysis.graph.html_report import write_html
 from msprobe_engine.analysis.graph.model import Graph
@@ -111,10 +111,9 @@ def build_graphs(target: Path | str, reference: Path | str | None = None, *, ove
     if not pairs:
         raise DumpError(f"{target} and {reference}: no rank directories to pair")
     for dump_a, dump_b in pairs:
-        comparison = compare_dumps(dump_a.path, dump_b.path, thresholds, progress=False)
-        summary = comparison.ranks[0]
+        summary, rows = compare_rank_dumps(dump_a, dump_b, thresholds)
         graph_a, graph_b = build_graph(dump_a), build_graph(dump_b)
-        result.structures.append(apply_comparison(graph_b, graph_a, summary, comparison.rows or []))
+        result.structures.append(apply_comparison(graph_b, graph_a, summary, rows))
         result.mode = summary.mode
         result.problems += summary.problems
         if overflow_check:
