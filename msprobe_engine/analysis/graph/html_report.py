@@ -118,7 +118,8 @@ function table(title, recs) {
   const cols = [...new Set(keys.flatMap(k => Object.keys(recs[k])))];
   const t = el('table'), h = el('tr'); h.append(el('th', {}, title)); cols.forEach(c => h.append(el('th', {}, c))); t.append(h);
   keys.forEach(k => { const r = el('tr'); r.append(el('td', {}, k));
-    cols.forEach(c => r.append(el('td', {}, recs[k][c] === undefined ? '' : JSON.stringify(recs[k][c])))); t.append(r); });
+    cols.forEach(c => { const v = recs[k][c];
+      r.append(el('td', {}, v === undefined ? '' : typeof v === 'string' ? v : JSON.stringify(v))); }); t.append(r); });
   return t;
 }
 function show(name) {
