@@ -128,6 +128,38 @@ def _compare_run(args: argparse.Namespace) -> int:
     return _compare_dumps_run(args)
 
 
+# ------------------------------------------------------------------ graph
+
+def _graph_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("incident", nargs="?", help="an incident directory: the graph of its failing step, culprit marked")
+    p.add_argument("-tp", "--target-path", help="the dump to show (rank dir or dump root with step*/rank*/)")
+    p.add_argument("-gp", "--golden-path", help="a reference dump: compare the target with it node by node")
+    p.add_argument("-o", "--output", help="output directory (needed with -tp; default <incident>/graph)")
+    p.add_argument("--overflow-check", action="store_true", help="mark nodes with nan/inf (critical/high/medium)")
+
+
+def _graph_run(args: argparse.Namespace) -> int:
+    from msprobe_engine.analysis.graph import build_graphs, incident_graphs, is_incident, write_outputs
+    from msprobe_engine.analysis.graph.report import format_graphs
+
+    if args.incident and (args.target_path or args.golden_path):
+        raise ValueError("give either an incident directory or -tp <dump> [-gp <reference>], not both")
+    if args.incident:
+        if not is_incident(args.incident):
+            raise ValueError(f"{args.incident}: not an incident directory (no incident.json); for a dump use -tp")
+        result = incident_graphs(args.incident)
+        output = args.output or str(Path(args.incident) / "graph")
+    elif args.target_path:
+        if not args.output:
+            raise ValueError("-o <output dir> is needed with -tp")
+        result = build_graphs(args.target_path, args.golden_path, overflow_check=args.overflow_check)
+        output = args.output
+    else:
+        raise ValueError("give an incident directory or -tp <dump> [-gp <reference dump>] -o <dir>")
+    print(format_graphs(result, write_outputs(result, output)))
+    return 0
+
+
 # ------------------------------------------------------------------ check-config
 
 def _check_config_arguments(p: argparse.ArgumentParser) -> None:
@@ -148,6 +180,8 @@ VERBS: dict[str, Verb] = {
                     _analyze_arguments, _analyze_run),
     "compare": Verb("compare two dumps (statistics or tensors) or two monitor runs",
                     _compare_arguments, _compare_run),
+    "graph": Verb("model graph of a dump, node-by-node comparison of two dumps, or an incident's step "
+                  "(TensorBoard tb-graph-ascend file and HTML report)", _graph_arguments, _graph_run),
     "check-config": Verb("validate a monitor config file before a run",
                          _check_config_arguments, _check_config_run),
 }

@@ -214,6 +214,15 @@ def _compare_rank(dump_a: RankDump, dump_b: RankDump, th: Thresholds, statistics
     return summary
 
 
+def compare_rank_dumps(dump_a: RankDump, dump_b: RankDump, thresholds: Thresholds | None = None, *,
+                       statistics_only: bool = False) -> tuple[RankComparison, list[Row]]:
+    """Compare two rank directories already loaded (``graph`` uses it): the summary and all rows."""
+    rows: list[Row] = []
+    summary = _compare_rank(dump_a, dump_b, thresholds or Thresholds(), statistics_only,
+                            Progress("compare", enabled=False), rows.append)
+    return summary, rows
+
+
 def _pair_ranks(dumps_a: dict, dumps_b: dict) -> tuple[list[tuple[RankDump, RankDump]], list[str]]:
     if len(dumps_a) == 1 and len(dumps_b) == 1:
         return [(next(iter(dumps_a.values())), next(iter(dumps_b.values())))], []
