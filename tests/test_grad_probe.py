@@ -108,3 +108,50 @@ def test_unknown_parameter_is_named_before_training(tmp_path):
                                           r"\(did you mean '0.weight'\?\)"):
         debugger.monitor(nn.Sequential(nn.Linear(2, 2)))
     debugger.close()
+
+
+def _directions_run(root, seed, steps=3, flip=None):
+    """A grad_probe run whose gradients are fixed random signs; `flip`: (step, share) flips that share."""
+    gen = torch.Generator().manual_seed(seed)
+    base = {"0.weight": torch.randn(20, 10, generator=gen), "0.bias": torch.randn(20, generator=gen)}
+    model = nn.Sequential(nn.Linear(10, 20))
+
+    def grads(step, name, p):
+        g = base[name].clone()
+        if flip is not None and step >= flip[0]:
+            n = int(g.numel() * flip[1])
+            g.view(-1)[:n] *= -1
+        return g
+    _probe(root, model, grads, steps=steps, grad_level="L1")
+
+
+def test_compare_verb_between_runs_flags_a_drop(tmp_path):
+    from msprobe_engine.cli import main
+
+    _directions_run(tmp_path / "a", seed=1)
+    _directions_run(tmp_path / "b", seed=1, flip=(2, 0.1))
+    out = tmp_path / "out"
+    assert main(["grad-probe", str(tmp_path / "a"), str(tmp_path / "b"), "-o", str(out),
+                 "--json", str(tmp_path / "sim.json")]) == 0
+    result = json.loads((tmp_path / "sim.json").read_text())[0]
+    assert result["steps"] == [0, 1, 2]
+    weight = result["similarities"]["0.weight"]
+    assert weight[:2] == [1.0, 1.0] and weight[2] == pytest.approx(0.9)
+    assert result["similarities"]["summary"][2] == pytest.approx((200 - 20 + 20 - 2) / 220)
+    assert any("0.weight: similarity dropped 0.1000 from step 1 to step 2" in p for p in result["problems"])
+    with open(out / "rank0" / "similarities.csv", newline="") as f:
+        lines = list(csv.reader(f))
+    assert lines[0] == ["step", "0", "1", "2"] and [line[0] for line in lines[1:]] == ["0.weight", "0.bias", "summary"]
+    for png in (out / "rank0" / "similarities.png", out / "rank0" / "similarities_picture" / "0.weight_similarities.png"):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_steps_of_one_run_and_low_first_step(tmp_path):
+    from msprobe_engine.analysis.grad_probe import compare_runs, compare_steps
+
+    _directions_run(tmp_path / "a", seed=1, flip=(1, 0.5))
+    steps = compare_steps(tmp_path / "a")[0]
+    assert steps.steps == [1, 2] and steps.by_param["0.weight"] == [pytest.approx(0.5), 1.0]
+    _directions_run(tmp_path / "c", seed=2)  # other random signs: about half agree from step 0
+    runs = compare_runs(tmp_path / "a", tmp_path / "c")[0]
+    assert any("is below 0.97" in p and "summary" in p for p in runs.problems)
