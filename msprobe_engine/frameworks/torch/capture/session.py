@@ -18,16 +18,18 @@ from msprobe_engine.dump.writer import TENSOR_TASKS
 from msprobe_engine.frameworks.torch import backend as torch_backend
 from msprobe_engine.frameworks.torch.capture.api import ApiCatalog, ApiMode, push_mode, remove_mode
 from msprobe_engine.frameworks.torch.capture.modules import DumpModuleHooks, module_keys
+from msprobe_engine.frameworks.torch.capture.free_benchmark import FreeBenchmark
+from msprobe_engine.frameworks.torch.capture.live_compare import LiveCompareRecorder
 from msprobe_engine.frameworks.torch.capture.overflow import OverflowRecorder
 from msprobe_engine.frameworks.torch.capture.recorder import Recorder, tensor_crc32
 from msprobe_engine.frameworks.torch.grad_probe import GradProbe
 
 #: the tasks the PyTorch session implements
-TORCH_TASKS = ("statistics", "tensor", "overflow_check", "grad_probe")
+TORCH_TASKS = ("statistics", "tensor", "overflow_check", "grad_probe", "free_benchmark", "diff_check")
 #: tasks whose `_hook_model` is their own `watch(model)` (no module hooks)
-NO_MODULE_TASKS = ("grad_probe",)
+NO_MODULE_TASKS = ("grad_probe", "free_benchmark")
 #: the recorder of each task that records calls like the dump (the default: `Recorder`)
-RECORDERS = {"overflow_check": OverflowRecorder}
+RECORDERS = {"overflow_check": OverflowRecorder, "diff_check": LiveCompareRecorder}
 
 
 class PrecisionDebugger(DumpSession):
@@ -53,8 +55,11 @@ class PrecisionDebugger(DumpSession):
         catalog = ApiCatalog()
         modules = module_keys(model) if model is not None and task not in NO_MODULE_TASKS else {}
         check_names(self.config, modules, catalog)
-        recorder = RECORDERS.get(task, Recorder)
-        self._recorder = recorder(self.config, torch_backend, catalog, self._emit_tensors)
+        if task == "free_benchmark":
+            self._recorder = FreeBenchmark(self.config, catalog, self.rank, self.writer)
+        else:
+            recorder = RECORDERS.get(task, Recorder)
+            self._recorder = recorder(self.config, torch_backend, catalog, self._emit_tensors)
         self._mode = ApiMode(self._recorder.api_call)
         if model is not None:
             self._hook_model(model)
