@@ -28,7 +28,7 @@ from msprobe_engine.dump.tasks import TASK_LEVELS, TaskOptions, parse_task_optio
 TASKS = ("statistics", "tensor")
 LEVELS = ("L0", "L1", "mix")
 DATA_MODES = ("all", "forward", "backward", "input", "output")
-SUMMARY_MODES = ("statistics", "md5")
+SUMMARY_MODES = ("statistics", "md5", "xor")
 WHEN_FULL = ("wait", "drop")
 #: the debugger tasks of `msprobe_engine.dump.tasks` (overflow_check, grad_probe, free_benchmark, diff_check)
 DEBUGGER_TASKS = tuple(TASK_LEVELS)

@@ -24,6 +24,7 @@ import torch
 from msprobe_engine.collect.flatten import iter_tensors
 from msprobe_engine.frameworks.torch.capture.api import ApiCatalog, writes_unknown, written_tensors
 from msprobe_engine.frameworks.torch.capture.backward import GradCall, after_call, before_call, in_backward
+from msprobe_engine.frameworks.torch.capture.checksum import checksum_text, xor_checksum
 from msprobe_engine.dump.config import DumpConfig
 from msprobe_engine.dump.entry import UNHANDLED, TensorSlot, describe
 from msprobe_engine.dump.select import Selection, Want
@@ -131,6 +132,7 @@ class Recorder:
         self.emit_tensors = emit_tensors
         self.save_tensors = config.task == "tensor"
         self.copies = self.save_tensors or config.summary_mode == "md5"
+        self.xor = config.summary_mode == "xor"  # on-device checksums, read with the statistics
         self.active = False
         self.hook_errors: dict[str, int] = {}
         self._lock = threading.RLock()
@@ -148,6 +150,7 @@ class Recorder:
         self._grad_calls: list[GradCall] = []
         self._items: TensorItems = []
         self._item_bytes = 0
+        self._checksums: list[tuple[TensorSlot, torch.Tensor]] = []
         self._flush_task: int | None = None
         self.sel.new_step()
         self.stats.reset()
@@ -161,6 +164,7 @@ class Recorder:
                     call.finish()
             with torch._C.DisableTorchFunction():
                 host = self.stats.to_host()
+                self._read_checksums()
             self._emit()
             return StepData(self.entries, self.construct, self.stacks, host)
         finally:
@@ -189,6 +193,17 @@ class Recorder:
         return True
 
     # ---- tensors -----------------------------------------------------------------------
+    def _read_checksums(self) -> None:
+        """summary_mode xor: the step's checksums read to the host (one copy for the words, one for
+        the values of 0-dim floating tensors) into their slots' md5."""
+        for floating in (False, True):
+            found = [(slot, c) for slot, c in self._checksums if c.is_floating_point() == floating]
+            if found:
+                kind = torch.float64 if floating else torch.int64
+                host = torch.stack([c.to(kind) for _, c in found]).to("cpu").tolist()
+                for (slot, _), value in zip(found, host):
+                    slot.md5 = checksum_text(value)
+
     def _leaf(self, value: Any, name: str) -> Any:
         if isinstance(value, torch.Tensor):
             return self._slot(value, name)
@@ -208,6 +223,8 @@ class Recorder:
         copied = self.copies and not tensor.is_meta
         slot = TensorSlot(_dtype_name(tensor.dtype), list(tensor.shape), tensor.requires_grad, kind, row,
                           f"{name}.pt" if copied and self.save_tensors else None)
+        if self.xor and kind != "none" and not tensor.is_meta:
+            self._checksums.append((slot, xor_checksum(tensor)))
         if copied:
             copy = self.stats.copy(tensor)
             self._items.append((slot, copy))
