@@ -171,6 +171,24 @@ def _grad_probe_run(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------ free-benchmark
+
+def _free_benchmark_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dump", help="the dump_path of a free_benchmark run (step<N>/<rank>/free_benchmark.csv)")
+    p.add_argument("--json", metavar="PATH", help="also write the summary as JSON ('-' for stdout)")
+
+
+def _free_benchmark_run(args: argparse.Namespace) -> int:
+    from msprobe_engine.analysis.free_benchmark import format_failures, summarize
+
+    failures = summarize(args.dump)
+    if args.json != "-":
+        print(format_failures(failures))
+    if args.json:
+        _write_json([f.as_dict() for f in failures], args.json)
+    return 0
+
+
 VERBS: dict[str, Verb] = {
     "analyze": Verb("find where a dump first went bad (nan/inf scenes, ignore rules)",
                     _analyze_arguments, _analyze_run),
@@ -178,6 +196,8 @@ VERBS: dict[str, Verb] = {
                     _compare_arguments, _compare_run),
     "grad-probe": Verb("gradient direction similarity of grad_probe dumps (two runs, or steps of one)",
                        _grad_probe_arguments, _grad_probe_run),
+    "free-benchmark": Verb("the APIs a free_benchmark run found unstable, worst first",
+                           _free_benchmark_arguments, _free_benchmark_run),
     "check-config": Verb("validate a monitor config file before a run",
                          _check_config_arguments, _check_config_run),
 }

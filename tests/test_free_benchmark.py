@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import csv
+import json
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from msprobe_engine.cli import main
 from msprobe_engine.config.errors import ConfigError
 from msprobe_engine.dump import PrecisionDebugger
 from msprobe_engine.dump.free_benchmark_files import RESULT_CSV
@@ -66,12 +68,18 @@ def test_unstable_api_is_reported_stable_ones_pass_and_training_is_bitwise_uncha
                              "output_index"]
     names = {r["api_name"] for r in rows}
     assert "Torch.var.0.forward" in names
-    assert not names & {"Torch.relu.0.forward", "Torch.add.0.forward", "Functional.linear.0.forward"}
+    assert not names & {"Torch.relu.0.forward", "Torch.add.0.forward", "Functional.linear.0.forward",
+                         "Functional.dropout.0.forward"}  # dropout reruns with the same random mask
     var = next(r for r in rows if r["api_name"] == "Torch.var.0.forward")
     assert (var["pert_mode"], var["stage"], var["step"], var["dtype"], var["shape"]) == \
         ("bit_noise", "forward", "0", "torch.float32", "torch.Size([8])")
     assert float(var["max_rel"]) > 2e-4
     assert debugger._recorder.compared >= 8 and debugger.transfers == 2  # ratios: one host copy per step
+    assert main(["free-benchmark", str(tmp_path), "--json", str(tmp_path / "fb.json")]) == 0
+    report = json.loads((tmp_path / "fb.json").read_text())
+    assert report[0]["api"] == "Torch.var" and report[0]["steps"] == [0, 1]
+    assert report[0]["worst_max_rel"] == max(float(r["max_rel"]) for r in rows + _results(
+        tmp_path / "step1" / "rank" / RESULT_CSV) if r["api_name"].startswith("Torch.var"))
 
 
 def test_backward_stage_compares_input_gradients(tmp_path):

@@ -26,9 +26,10 @@ ratios sampled (ours: a simpler preheat than the predecessor's).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -68,9 +69,22 @@ def _tensors_in(value: Any) -> list[torch.Tensor]:
     return found
 
 
-def _same_random(args: tuple) -> Any:
-    """A rerun leaves the random state as it found it (dropout draws the same numbers for training)."""
-    return torch.random.fork_rng(devices=sorted({t.device.index or 0 for t in _tensors_in(args) if t.is_cuda}))
+def _random_state(args: tuple) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """The random state before a call (CPU, and the CUDA devices of its tensors)."""
+    devices = sorted({t.device.index or 0 for t in _tensors_in(args) if t.is_cuda})
+    return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in devices}
+
+
+@contextlib.contextmanager
+def _same_random(state: tuple[torch.Tensor, dict[int, torch.Tensor]]) -> Iterator[None]:
+    """Run a rerun from the random state the original call started from (dropout draws the
+    same mask), then put back the state the original call left (training draws on unchanged)."""
+    cpu, cuda = state
+    with torch.random.fork_rng(devices=list(cuda)):
+        torch.set_rng_state(cpu)
+        for device, value in cuda.items():
+            torch.cuda.set_rng_state(value, device)
+        yield
 
 
 def _target(args: tuple) -> int:
@@ -194,11 +208,10 @@ class FreeBenchmark:
             return func(*args, **kwargs)
         if self.options.handler_type == "fix":
             return self._fixed(func, args, kwargs, index, name)
+        state = _random_state(args)
         output = func(*args, **kwargs)
-        if self.options.fuzz_stage == "forward":
-            self._guarded(name, self._check_forward, func, args, kwargs, index, name, output)
-        else:
-            self._guarded(name, self._watch_backward, func, args, kwargs, index, name, output)
+        check = self._check_forward if self.options.fuzz_stage == "forward" else self._watch_backward
+        self._guarded(name, check, func, args, kwargs, index, name, output, state)
         return output
 
     def _guarded(self, name: str, body: Callable, *args: Any) -> Any:
@@ -218,14 +231,12 @@ class FreeBenchmark:
         finally:
             self._busy = False
 
-    def _rerun(self, func: Callable, args: tuple, kwargs: dict, index: int) -> Any:
+    def _check_forward(self, func: Callable, args: tuple, kwargs: dict, index: int, name: str, output: Any,
+                       state: tuple) -> None:
         p_args, p_kwargs = perturb(self.options.pert_mode, args, kwargs, index)
         p_args, p_kwargs = _map(p_args, torch.Tensor.detach), _map(p_kwargs, torch.Tensor.detach)
-        with _same_random(args), torch.no_grad():
-            return func(*p_args, **p_kwargs)
-
-    def _check_forward(self, func: Callable, args: tuple, kwargs: dict, index: int, name: str, output: Any) -> None:
-        perturbed = self._rerun(func, args, kwargs, index)
+        with _same_random(state), torch.no_grad():
+            perturbed = func(*p_args, **p_kwargs)
         self._compare(name, "forward", output, perturbed)
 
     def _compare(self, name: str, stage: str, original: Any, perturbed: Any) -> None:
@@ -237,7 +248,7 @@ class FreeBenchmark:
                 self._pending.append((name, stage, dtype, i, str(out.shape), r))
 
     def _watch_backward(self, func: Callable, args: tuple, kwargs: dict, index: int, name: str,
-                        output: Any) -> None:
+                        output: Any, state: tuple) -> None:
         outs = _outputs(output)
         if len(outs) != 1 or not outs[0][1].requires_grad:
             return
@@ -245,16 +256,18 @@ class FreeBenchmark:
         if not inputs:
             return
         saved = _map(args, torch.Tensor.detach), _map(kwargs, torch.Tensor.detach)
-        outs[0][1].register_hook(partial(self._backward_check, func, saved, index, name))
+        outs[0][1].register_hook(partial(self._backward_check, func, saved, index, name, state))
 
-    def _backward_check(self, func: Callable, saved: tuple, index: int, name: str, grad: torch.Tensor) -> None:
-        self._guarded(name, self._compare_grads, func, saved, index, name, grad)
+    def _backward_check(self, func: Callable, saved: tuple, index: int, name: str, state: tuple,
+                        grad: torch.Tensor) -> None:
+        self._guarded(name, self._compare_grads, func, saved, index, name, state, grad)
 
-    def _compare_grads(self, func: Callable, saved: tuple, index: int, name: str, grad: torch.Tensor) -> None:
+    def _compare_grads(self, func: Callable, saved: tuple, index: int, name: str, state: tuple,
+                       grad: torch.Tensor) -> None:
         args, kwargs = saved
-        original = self._input_grads(func, args, kwargs, grad)
+        original = self._input_grads(func, args, kwargs, grad, state)
         p_args, p_kwargs = perturb(self.options.pert_mode, args, kwargs, index)
-        perturbed = self._input_grads(func, p_args, p_kwargs, grad)
+        perturbed = self._input_grads(func, p_args, p_kwargs, grad, state)
         for i, (o, p) in enumerate(zip(original, perturbed)):
             if o is not None and p is not None:
                 dtype = _dtype_name(o.dtype)
@@ -262,10 +275,10 @@ class FreeBenchmark:
                                       else None, str(o.shape), ratio(o, p, tolerance(dtype, "backward"))))
 
     @staticmethod
-    def _input_grads(func: Callable, args: tuple, kwargs: dict, grad: torch.Tensor) -> list:
+    def _input_grads(func: Callable, args: tuple, kwargs: dict, grad: torch.Tensor, state: tuple) -> list:
         leaves = _map(args, lambda t: t.detach().requires_grad_(_floating(t)))
         inputs = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-        with torch.enable_grad(), _same_random(args):
+        with torch.enable_grad(), _same_random(state):
             out = func(*leaves, **kwargs)
             grads = torch.autograd.grad(out, inputs, grad.to(out.dtype).to(out.device), allow_unused=True)
         return list(grads)
