@@ -88,3 +88,22 @@ def test_bad_overflow_config(tmp_path, config, message):
     with pytest.raises(ConfigError, match=None) as err:
         PrecisionDebugger({"task": "overflow_check", "dump_path": str(tmp_path), **config})
     assert message in str(err.value)
+
+
+def test_an_infinite_fill_value_is_not_an_overflow_but_a_nan_is(tmp_path):
+    scores = torch.randn(4, 4)
+    mask = torch.ones(4, 4).triu(1).bool()
+
+    def step(poison: bool):
+        masked = scores.masked_fill(mask, float("-inf"))  # a causal mask: -inf on purpose
+        probs = torch.softmax(masked, dim=-1)
+        return torch.sqrt(probs - 1.0) if poison else probs  # sqrt of negatives: nan
+
+    with PrecisionDebugger({"task": "overflow_check", "dump_path": str(tmp_path), "strict": True,
+                            "overflow_check": {"overflow_nums": -1}}) as debugger:
+        for poison in (False, True):
+            with debugger.step_scope():
+                step(poison)
+    dump = load_dump(tmp_path)
+    assert sorted(dump) == [(1, None)]
+    assert list(dump[(1, None)].data) == ["Torch.sqrt.0.forward"]

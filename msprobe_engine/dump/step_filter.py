@@ -6,6 +6,7 @@ host transfer these helpers pick the entries to write: those whose outputs hold 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any, Iterator
 
@@ -31,24 +32,46 @@ def iter_slots(skeleton: Any) -> Iterator[TensorSlot]:
             yield from iter_slots(item)
 
 
-def nonfinite_rows(host_rows: np.ndarray) -> np.ndarray:
-    """Per packed statistics row: True when its tensor holds a nan or an inf."""
+def nonfinite_rows(host_rows: np.ndarray, nan_only: bool = False) -> np.ndarray:
+    """Per packed statistics row: True when its tensor holds a nan or an inf (`nan_only`: a nan)."""
     if not len(host_rows):
         return np.zeros(0, dtype=bool)
     rows = np.asarray(host_rows, dtype=np.float64)
     with np.errstate(invalid="ignore"):
-        counted = (np.nan_to_num(rows[:, P_NAN]) > 0) | (np.nan_to_num(rows[:, P_INF]) > 0)
+        nans = np.nan_to_num(rows[:, P_NAN]) > 0
+        if nan_only:
+            return nans & (rows[:, P_NUMEL] > 0)
+        counted = nans | (np.nan_to_num(rows[:, P_INF]) > 0)
         spread = ~np.isfinite(rows[:, [P_MIN, P_MAX, P_SUM]]).all(axis=1)
     return (counted | spread) & (rows[:, P_NUMEL] > 0)
 
 
+def _infinite_argument(skeleton: dict) -> bool:
+    """True when a plain argument of the call is +-inf (``masked_fill(mask, -inf)``, ``full(.., inf)``)."""
+    def walk(item: Any) -> bool:
+        if isinstance(item, dict) and item.get("type") == "float":
+            value = item.get("value")
+            return isinstance(value, float) and math.isinf(value)
+        if isinstance(item, dict):
+            return any(walk(v) for v in item.values())
+        if isinstance(item, list):
+            return any(walk(v) for v in item)
+        return False
+    return walk(skeleton.get("input_args")) or walk(skeleton.get("input_kwargs"))
+
+
 def overflowing(entries: dict[str, Any], host_rows: np.ndarray, limit: int) -> list[str]:
-    """Names of the first `limit` entries (-1: all), in execution order, whose outputs hold nan/inf."""
-    bad = nonfinite_rows(host_rows)
+    """Names of the first `limit` entries (-1: all), in execution order, whose outputs hold nan/inf.
+
+    A call given an infinite value as an argument (a -inf attention mask fill) may return
+    infinities: only a nan in its outputs counts."""
+    bad, nans = nonfinite_rows(host_rows), nonfinite_rows(host_rows, nan_only=True)
     found: list[str] = []
     for name, skeleton in entries.items():
-        if isinstance(skeleton, dict) and any(0 <= s.row < len(bad) and bad[s.row]
-                                              for s in iter_slots(skeleton.get(OUTPUT_KEY))):
+        if not isinstance(skeleton, dict):
+            continue
+        flags = nans if _infinite_argument(skeleton) else bad
+        if any(0 <= s.row < len(flags) and flags[s.row] for s in iter_slots(skeleton.get(OUTPUT_KEY))):
             found.append(name)
             if len(found) == limit:
                 break
