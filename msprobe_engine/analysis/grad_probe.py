@@ -146,6 +146,7 @@ def write_similarities(results: list[Similarities], output: Path | str) -> list[
     import matplotlib
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     written = []
     for result in results:
@@ -160,12 +161,14 @@ def write_similarities(results: list[Similarities], output: Path | str) -> list[
             fig, ax = plt.subplots(figsize=(6, 4))
             ax.plot(result.steps, values, marker="o")
             ax.set(xlabel="steps", ylabel="similarities", title=f"{name}_similarities")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             fig.savefig(pictures / f"{name}_similarities.png", dpi=80)
             plt.close(fig)
         fig, ax = plt.subplots(figsize=(8, 5))
         for name, values in result.by_param.items():
             ax.plot(result.steps, values, marker=".", label=name, linewidth=2.5 if name == SUMMARY else 1)
         ax.axhline(FIRST_STEP_MIN, color="grey", linestyle="--", linewidth=0.8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set(xlabel="step", ylabel="direction similarity", title=f"rank {result.rank}: similarity per layer")
         ax.legend(fontsize="x-small", loc="lower left")
         fig.savefig(out / "similarities.png", dpi=90)
