@@ -136,3 +136,35 @@ def test_bad_free_benchmark_config(tmp_path, section, message):
 def test_level_other_than_l1_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="level: 'L0' is not supported by task free_benchmark; use one of L1"):
         PrecisionDebugger({**_config(tmp_path), "level": "L0"})
+
+
+def test_perturbations_against_explicit_references():
+    from msprobe_engine.frameworks.torch.capture.free_benchmark import perturb
+
+    x = torch.tensor([[1.0, -2.0], [1e-5, 4.0]])
+    (noisy,), _ = perturb("add_noise", (x,), {}, 0)
+    assert torch.equal(noisy, torch.where(x.abs() > 1e-4, x + 1e-8, x))  # 1e-8 is lost next to 1.0 in float32
+    (flipped,), _ = perturb("bit_noise", (x,), {}, 0)
+    assert torch.equal(flipped.view(torch.int32), x.view(torch.int32) ^ 1)
+    (swapped,), _ = perturb("change_value", (x,), {}, 0)
+    assert torch.equal(swapped, torch.tensor([[4.0, -2.0], [1e-5, 1.0]])) and x[0, 0] == 1.0  # the input untouched
+    args, kwargs = perturb("improve_precision", (x.half(), 3), {"other": x.bfloat16()}, 0)
+    assert (args[0].dtype, args[1], kwargs["other"].dtype) == (torch.float32, 3, torch.float32)
+    (same,), _ = perturb("no_change", (x,), {}, 0)
+    assert same is x
+
+
+def test_preheat_raises_each_apis_threshold_to_the_sampled_ratios(tmp_path):
+    torch.manual_seed(0)
+    model, x = Spread().eval(), torch.randn(8, 16)  # eval: the same ratios every step
+    section = {"pert_mode": "bit_noise", "if_preheat": True, "preheat_step": 1, "max_sample": 5}
+    with PrecisionDebugger(_config(tmp_path, **section)) as debugger:
+        for _ in range(2):
+            with debugger.step_scope(model):
+                model(x)
+    assert debugger._recorder.failed == [] and debugger._recorder.compared > 0  # step 0 sampled, step 1 passed
+    plain = PrecisionDebugger(_config(tmp_path / "plain", pert_mode="bit_noise"))
+    with plain.step_scope(model):
+        model(x)
+    plain.close()
+    assert any(r.api_name == "Torch.var.0.forward" for r in plain._recorder.failed)  # without preheat: reported

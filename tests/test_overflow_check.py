@@ -107,3 +107,17 @@ def test_an_infinite_fill_value_is_not_an_overflow_but_a_nan_is(tmp_path):
     dump = load_dump(tmp_path)
     assert sorted(dump) == [(1, None)]
     assert list(dump[(1, None)].data) == ["Torch.sqrt.0.forward"]
+
+
+def test_level_l0_dumps_the_overflowing_module(tmp_path):
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1)), torch.randn(3, 4)
+    with torch.no_grad():
+        model[2].weight[0, 0] = float("inf")
+    with PrecisionDebugger({"task": "overflow_check", "dump_path": str(tmp_path), "level": "L0", "strict": True,
+                            "overflow_check": {"overflow_nums": 1}}) as debugger:
+        with debugger.step_scope(model):
+            model(x).sum().backward()
+    data = load_dump(tmp_path)[(0, None)].data
+    assert list(data) == ["Module.2.Linear.forward.0"]
+    assert "weight" in data["Module.2.Linear.forward.0"]["parameters"]

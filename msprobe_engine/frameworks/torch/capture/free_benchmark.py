@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from msprobe_engine.dump.config import DumpConfig
+from msprobe_engine.dump.free_benchmark_files import NOISE as NOISE_BY_NAME
 from msprobe_engine.dump.free_benchmark_files import ResultRow, passes, threshold, tolerance, write_results
 from msprobe_engine.dump.select import Selection
 from msprobe_engine.dump.writer import StepData
@@ -46,7 +47,7 @@ log = logging.getLogger("msprobe_engine")
 HIGHER = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float64}
 BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
         torch.float64: torch.int64}
-NOISE = {torch.bfloat16: 1e-4, torch.float16: 1e-6, torch.float32: 1e-8, torch.float64: 1e-16}
+NOISE = {getattr(torch, name): value for name, value in NOISE_BY_NAME.items()}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -222,10 +223,11 @@ class FreeBenchmark:
         except Exception as exc:
             if self.config.strict:
                 raise
-            count = self.hook_errors.get(name.split(".")[0], 0)
-            self.hook_errors[name.split(".")[0]] = count + 1
+            api = name.rsplit(".", 2)[0]
+            count = self.hook_errors.get(api, 0)
+            self.hook_errors[api] = count + 1
             if not count:
-                log.error("msprobe free_benchmark: %s skipped: %s: %s (reported once per API family)",
+                log.error("msprobe free_benchmark: %s skipped: %s: %s (reported once per API)",
                           name, type(exc).__name__, exc)
             return None
         finally:
