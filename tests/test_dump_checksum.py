@@ -7,16 +7,21 @@ from msprobe.pytorch.xor_checksum import xor_checksum as predecessor_xor  # the 
 
 from msprobe_engine.config.errors import ConfigError
 from msprobe_engine.dump import PrecisionDebugger, load_dump
-from msprobe_engine.frameworks.torch.capture.checksum import checksum_text, xor_checksum
+from msprobe_engine.frameworks.torch.capture.checksum import checksum_text, fold, xor_words
+
+
+def checksum(tensor: torch.Tensor):
+    words = xor_words(tensor)
+    return checksum_text(words.item() if words.dim() == 0 else fold(words.cpu().numpy()[None])[0])
 
 
 @pytest.mark.parametrize("tensor", [
     torch.randn(7), torch.randn(3, 5).t(), torch.randn(33).bfloat16(), torch.arange(9, dtype=torch.int32),
-    torch.randn(8, 8)[2:5], torch.tensor(0.5), torch.tensor(3), torch.ones(0), torch.rand(5) > 0.5,
+    torch.randn(8, 8)[2:5], torch.randn(10)[1:], torch.tensor(0.5), torch.tensor(3), torch.ones(0),
+    torch.rand(5) > 0.5, torch.randn(1000, 7), torch.randn(4097),
 ])
 def test_checksum_equals_the_predecessors(tensor):
-    ours = checksum_text(xor_checksum(tensor).item())
-    assert ours == checksum_text(predecessor_xor(tensor.contiguous()).item())
+    assert checksum(tensor) == checksum_text(predecessor_xor(tensor.contiguous()).item())
 
 
 def _dump(root, weight_bit_flip=False):

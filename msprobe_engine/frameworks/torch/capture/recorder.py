@@ -24,7 +24,7 @@ import torch
 from msprobe_engine.collect.flatten import iter_tensors
 from msprobe_engine.frameworks.torch.capture.api import ApiCatalog, writes_unknown, written_tensors
 from msprobe_engine.frameworks.torch.capture.backward import GradCall, after_call, before_call, in_backward
-from msprobe_engine.frameworks.torch.capture.checksum import checksum_text, xor_checksum
+from msprobe_engine.frameworks.torch.capture.checksum import checksum_text, fold, xor_words
 from msprobe_engine.dump.config import DumpConfig
 from msprobe_engine.dump.entry import UNHANDLED, TensorSlot, describe
 from msprobe_engine.dump.select import Selection, Want
@@ -194,14 +194,18 @@ class Recorder:
 
     # ---- tensors -----------------------------------------------------------------------
     def _read_checksums(self) -> None:
-        """summary_mode xor: the step's checksums read to the host (one copy for the words, one for
-        the values of 0-dim floating tensors) into their slots' md5."""
+        """summary_mode xor: the step's checksums read to the host (one copy of every tensor's folded
+        words, one of the 0-dim tensors' values) into their slots' md5."""
+        words = [(slot, w) for slot, w in self._checksums if w.dim() == 1]
+        if words:
+            for (slot, _), value in zip(words, fold(torch.stack([w for _, w in words]).to("cpu").numpy())):
+                slot.md5 = checksum_text(value)
+        scalars = [(slot, v) for slot, v in self._checksums if v.dim() == 0]
         for floating in (False, True):
-            found = [(slot, c) for slot, c in self._checksums if c.is_floating_point() == floating]
+            found = [(slot, v) for slot, v in scalars if v.is_floating_point() == floating]
             if found:
                 kind = torch.float64 if floating else torch.int64
-                host = torch.stack([c.to(kind) for _, c in found]).to("cpu").tolist()
-                for (slot, _), value in zip(found, host):
+                for (slot, _), value in zip(found, torch.stack([v.to(kind) for _, v in found]).to("cpu").tolist()):
                     slot.md5 = checksum_text(value)
 
     def _leaf(self, value: Any, name: str) -> Any:
@@ -224,7 +228,7 @@ class Recorder:
         slot = TensorSlot(_dtype_name(tensor.dtype), list(tensor.shape), tensor.requires_grad, kind, row,
                           f"{name}.pt" if copied and self.save_tensors else None)
         if self.xor and kind != "none" and not tensor.is_meta:
-            self._checksums.append((slot, xor_checksum(tensor)))
+            self._checksums.append((slot, xor_words(tensor)))
         if copied:
             copy = self.stats.copy(tensor)
             self._items.append((slot, copy))
