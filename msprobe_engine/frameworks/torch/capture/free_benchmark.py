@@ -195,20 +195,21 @@ class FreeBenchmark:
     # ---- the API mode's handler ----------------------------------------------------------
     def api_call(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         info = self.catalog.get(func)
-        if (info is None or not info.dump or not self.active or self._busy or in_backward()
-                or info.prefix == "Distributed" or info.writes(args, kwargs)):
+        if info is None or not info.dump or not self.active or self._busy or in_backward():
             return func(*args, **kwargs)
-        n = self._counters.get(info.key, 0)
+        n = self._counters.get(info.key, 0)  # every call counts, as in the dump: names are the dump's
         self._counters[info.key] = n + 1
         name = f"{info.key}.{n}.forward"
         want = self.sel.want(info.key, name, f"{info.key}.{n}.backward")
-        index = _target(args)
-        selected = want.forward and self.sel.begin(name) and index >= 0
+        in_scope = self.sel.begin(name)
         self.sel.end(name)
-        if not selected:
+        index = _target(args)
+        if (not (want.forward and in_scope) or index < 0 or info.prefix == "Distributed"
+                or info.writes(args, kwargs)):
             return func(*args, **kwargs)
         if self.options.handler_type == "fix":
-            return self._fixed(func, args, kwargs, index, name)
+            fixed = self._guarded(name, self._fixed, func, args, kwargs, index)
+            return fixed if fixed is not None else func(*args, **kwargs)
         state = _random_state(args)
         output = func(*args, **kwargs)
         check = self._check_forward if self.options.fuzz_stage == "forward" else self._watch_backward
@@ -281,21 +282,19 @@ class FreeBenchmark:
         leaves = _map(args, lambda t: t.detach().requires_grad_(_floating(t)))
         inputs = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
         with torch.enable_grad(), _same_random(state):
-            out = func(*leaves, **kwargs)
+            out = _outputs(func(*leaves, **kwargs))[0][1]  # the one floating output (see _watch_backward)
             grads = torch.autograd.grad(out, inputs, grad.to(out.dtype).to(out.device), allow_unused=True)
         return list(grads)
 
-    def _fixed(self, func: Callable, args: tuple, kwargs: dict, index: int, name: str) -> Any:
-        """fix mode: the call on the more precise inputs, cast back like its first floating input."""
-        like = next(t for t in _tensors_in(args) if t.is_floating_point())
-        self._busy = True
-        try:
-            with torch._C.DisableTorchFunction():
-                p_args, p_kwargs = perturb(self.options.pert_mode, args, kwargs, index)
-                precise = func(*p_args, **p_kwargs)
-                return _map(precise, lambda t: t.to(like.device, like.dtype if t.is_floating_point() else t.dtype))
-        finally:
-            self._busy = False
+    def _fixed(self, func: Callable, args: tuple, kwargs: dict, index: int) -> Any:
+        """fix mode: the call on the more precise inputs, cast back like its first floating input
+        (None when it has none: the original call runs)."""
+        like = next((t for t in _tensors_in(args) if t.is_floating_point()), None)
+        if like is None:
+            return None
+        p_args, p_kwargs = perturb(self.options.pert_mode, args, kwargs, index)
+        precise = func(*p_args, **p_kwargs)
+        return _map(precise, lambda t: t.to(like.device, like.dtype if t.is_floating_point() else t.dtype))
 
     # ---- step end ---------------------------------------------------------------------------
     def finish_step(self) -> StepData:
