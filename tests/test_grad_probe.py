@@ -41,17 +41,19 @@ def _probe(tmp_path, model, grads, steps=2, **section):
     return debugger
 
 
-def test_l2_columns_match_numpy_with_values_on_the_bounds(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_l2_columns_match_numpy_with_values_on_the_bounds(tmp_path, dtype):
     bounds = [-1, 0, 0.5, 1]
-    edge = torch.tensor([-1.0, 0.0, 0.5, 1.0, -2.0, 3.0, 0.25, -0.5, 0.0, 1e-30, -1e-30, 0.5000001])
-    model = nn.Linear(3, 4)
-    grads = {"weight": edge.reshape(4, 3), "bias": torch.tensor([0.1, -0.1, 2.0, 0.0])}
+    edge = torch.tensor([-1.0, 0.0, 0.5, 1.0, -2.0, 3.0, 0.25, -0.5, 0.0, 1e-30, -1e-30, 0.5000001]).to(dtype)
+    model = nn.Linear(3, 4).to(dtype)
+    grads = {"weight": edge.reshape(4, 3), "bias": torch.tensor([0.1, -0.1, 2.0, 0.0]).to(dtype)}
     _probe(tmp_path, model, lambda s, n, p: grads[n] * (s + 1), bounds=bounds, grad_level="L2")
     head, rows = _rows(tmp_path / "rank0" / "grad_summary_0.csv")
     assert head == ["param_name", "(-inf, -1]", "(-1, 0]", "(0, 0.5]", "(0.5, 1]", "(1, inf)", "=0",
                     "max", "min", "norm", "shape"]
     for name, g in grads.items():
         row = rows[name]
+        g = g.float()  # numpy has no bfloat16; the values are exact in float32
         np.testing.assert_allclose([float(v) for v in row[:6]], _reference(g.numpy(), bounds), rtol=0, atol=1e-12)
         ref = g.numpy().astype(np.float64)
         assert float(row[6]) == ref.max() and float(row[7]) == ref.min()

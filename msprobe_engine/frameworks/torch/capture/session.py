@@ -17,9 +17,9 @@ from msprobe_engine.dump.tasks import require_support
 from msprobe_engine.dump.writer import TENSOR_TASKS
 from msprobe_engine.frameworks.torch import backend as torch_backend
 from msprobe_engine.frameworks.torch.capture.api import ApiCatalog, ApiMode, push_mode, remove_mode
-from msprobe_engine.frameworks.torch.capture.modules import DumpModuleHooks, module_keys
 from msprobe_engine.frameworks.torch.capture.free_benchmark import FreeBenchmark
 from msprobe_engine.frameworks.torch.capture.live_compare import LiveCompareRecorder
+from msprobe_engine.frameworks.torch.capture.modules import DumpModuleHooks, module_keys
 from msprobe_engine.frameworks.torch.capture.overflow import OverflowRecorder
 from msprobe_engine.frameworks.torch.capture.recorder import Recorder, tensor_crc32
 from msprobe_engine.frameworks.torch.grad_probe import GradProbe
