@@ -3,10 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-ms = pytest.importorskip("mindspore")  # installed in the test environment; importorskip keeps the import local
-
-from msprobe_engine.config.errors import ConfigError  # noqa: E402
-from msprobe_engine.frameworks.mindspore.capture.session import MindSporePrecisionDebugger  # noqa: E402
+from msprobe_engine.config.errors import ConfigError
+from msprobe_engine.frameworks.mindspore.capture.session import MindSporePrecisionDebugger
 
 
 @pytest.mark.parametrize("config,message", [
