@@ -83,9 +83,11 @@ def test_unstable_api_is_reported_stable_ones_pass_and_training_is_bitwise_uncha
 
 
 def test_backward_stage_compares_input_gradients(tmp_path):
+    plain = _train(1)
     debugger = PrecisionDebugger(_config(tmp_path, pert_mode="bit_noise", fuzz_stage="backward"))
-    _train(1, debugger)
+    checked = _train(1, debugger)
     debugger.close()
+    assert all(torch.equal(a, b) for a, b in zip(sum(checked, []), sum(plain, [])))  # bitwise unchanged
     failed = {(r.api_name, r.stage) for r in debugger._recorder.failed}
     assert ("Torch.var.0.backward", "backward") in failed
     assert not any(name.startswith("Torch.relu") for name, _ in failed)
