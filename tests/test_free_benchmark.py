@@ -88,7 +88,7 @@ def test_backward_stage_compares_input_gradients(tmp_path):
     checked = _train(1, debugger)
     debugger.close()
     assert all(torch.equal(a, b) for a, b in zip(sum(checked, []), sum(plain, [])))  # bitwise unchanged
-    failed = {(r.api_name, r.stage) for r in debugger._recorder.failed}
+    failed = {(r.api_name, r.stage) for r in debugger.task_results}
     assert ("Torch.var.0.backward", "backward") in failed
     assert not any(name.startswith("Torch.relu") for name, _ in failed)
 
@@ -164,9 +164,9 @@ def test_preheat_raises_each_apis_threshold_to_the_sampled_ratios(tmp_path):
         for _ in range(2):
             with debugger.step_scope(model):
                 model(x)
-    assert debugger._recorder.failed == [] and debugger._recorder.compared > 0  # step 0 sampled, step 1 passed
+    assert debugger.task_results == [] and debugger._recorder.compared > 0  # step 0 sampled, step 1 passed
     plain = PrecisionDebugger(_config(tmp_path / "plain", pert_mode="bit_noise"))
     with plain.step_scope(model):
         model(x)
     plain.close()
-    assert any(r.api_name == "Torch.var.0.forward" for r in plain._recorder.failed)  # without preheat: reported
+    assert any(r.api_name == "Torch.var.0.forward" for r in plain.task_results)  # without preheat: reported

@@ -43,7 +43,7 @@ def test_the_first_divergent_call_is_named_and_dumped(tmp_path, summary_mode):
     debugger = _run({"task": "diff_check", "dump_path": str(live),
                      "diff_check": {"bench_path": str(reference), "diff_nums": 2, "rtol": 1e-4,
                                     "summary_mode": summary_mode}}, decimals=1)
-    assert debugger._recorder.divergences == [(0, "Torch.round.0.forward"), (1, "Torch.round.0.forward")]
+    assert debugger.task_results == [(0, "Torch.round.0.forward"), (1, "Torch.round.0.forward")]
     rank = load_dump(live)[(0, None)]
     assert list(rank.data) == ["Torch.round.0.forward", "Torch.tanh.0.forward"]  # the first diff_nums=2
     summary = json.loads((rank.path / SUMMARY_JSON).read_text())
@@ -58,7 +58,7 @@ def test_identical_runs_dump_nothing(tmp_path):
     _run({"dump_path": str(reference)}, decimals=3)
     debugger = _run({"task": "diff_check", "dump_path": str(tmp_path / "live"),
                      "diff_check": {"bench_path": str(reference)}}, decimals=3)
-    assert debugger._recorder.divergences == [] and not (tmp_path / "live").exists()
+    assert debugger.task_results == [] and not (tmp_path / "live").exists()
 
 
 def test_tolerances_decide(tmp_path):
@@ -66,7 +66,7 @@ def test_tolerances_decide(tmp_path):
     _run({"dump_path": str(reference)}, decimals=6, steps=1)
     loose = _run({"task": "diff_check", "dump_path": str(tmp_path / "live"),
                   "diff_check": {"bench_path": str(reference), "rtol": 0.5, "atol": 0.5}}, decimals=1, steps=1)
-    assert loose._recorder.divergences == []
+    assert loose.task_results == []
 
 
 @pytest.mark.parametrize("section,message", [

@@ -54,7 +54,7 @@ def test_the_injected_call_is_dumped_first_and_clean_steps_dump_nothing(tmp_path
     assert (inp[0] < 0).all()  # the input as it was: its first row made negative
     summary = json.loads((rank.path / SUMMARY_JSON).read_text())
     assert summary["first_overflow"] == "Torch.log.0.forward" and summary["step"] == 1
-    assert debugger._recorder.overflows == [(1, "Torch.log.0.forward")]
+    assert debugger.task_results == [(1, "Torch.log.0.forward")]
     assert debugger.transfers == 3  # statistics: one device-to-host copy per step
 
 

@@ -30,6 +30,8 @@ TORCH_TASKS = ("statistics", "tensor", "overflow_check", "grad_probe", "free_ben
 NO_MODULE_TASKS = ("grad_probe", "free_benchmark")
 #: the recorder of each task that records calls like the dump (the default: `Recorder`)
 RECORDERS = {"overflow_check": OverflowRecorder, "diff_check": LiveCompareRecorder}
+#: the recorder attribute that `task_results` shows, per task
+RESULTS = {"overflow_check": "overflows", "diff_check": "divergences", "free_benchmark": "failed"}
 
 
 class PrecisionDebugger(DumpSession):
@@ -70,6 +72,13 @@ class PrecisionDebugger(DumpSession):
             raise ConfigError(f"monitor(model) is the grad_probe task's call; this config's task is "
                               f"{self.config.task!r}")
         self.start(model)
+
+    @property
+    def task_results(self) -> list:
+        """So far: overflow_check (step, first overflowing call) per step that overflowed; diff_check
+        (step, first divergent call); free_benchmark the failing outputs (`ResultRow`); else []."""
+        attribute = RESULTS.get(self.config.task)
+        return list(getattr(self._recorder, attribute)) if attribute and self._recorder is not None else []
 
     def _hook_model(self, model: Any) -> None:
         if self.config.task in NO_MODULE_TASKS:
