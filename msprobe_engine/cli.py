@@ -194,12 +194,12 @@ VERBS: dict[str, Verb] = {
                     _analyze_arguments, _analyze_run),
     "compare": Verb("compare two dumps (statistics or tensors) or two monitor runs",
                     _compare_arguments, _compare_run),
+    "check-config": Verb("validate a monitor config file before a run",
+                         _check_config_arguments, _check_config_run),
     "grad-probe": Verb("gradient direction similarity of grad_probe dumps (two runs, or steps of one)",
                        _grad_probe_arguments, _grad_probe_run),
     "free-benchmark": Verb("the APIs a free_benchmark run found unstable, worst first",
                            _free_benchmark_arguments, _free_benchmark_run),
-    "check-config": Verb("validate a monitor config file before a run",
-                         _check_config_arguments, _check_config_run),
 }
 
 
