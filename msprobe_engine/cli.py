@@ -175,6 +175,52 @@ def _check_config_run(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------ grad-probe
+
+def _grad_probe_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("a", help="a grad_probe dump_path (rank<N>/ with grad_summary_<step>.csv and step<N>/)")
+    p.add_argument("b", nargs="?", help="a second run to compare with; without it, each step of A is "
+                                        "compared with the step before")
+    p.add_argument("-o", "--output", required=True, metavar="DIR",
+                   help="where rank<N>/similarities.csv and the PNG plots go")
+    p.add_argument("--json", metavar="PATH", help="also write the similarities as JSON ('-' for stdout)")
+
+
+def _grad_probe_run(args: argparse.Namespace) -> int:
+    from msprobe_engine.analysis.grad_probe import compare_runs, compare_steps, write_similarities
+
+    results = compare_runs(args.a, args.b) if args.b else compare_steps(args.a)
+    written = write_similarities(results, args.output)
+    if args.json != "-":
+        for result in results:
+            print(f"rank {result.rank}: steps {result.steps}: summary similarity "
+                  + ", ".join(f"{v:.4f}" for v in result.by_param["summary"]))
+            for problem in result.problems:
+                print(f"  problem: {problem}")
+        print("written: " + ", ".join(str(p) for p in written))
+    if args.json:
+        _write_json([r.as_dict() for r in results], args.json)
+    return 0
+
+
+# ------------------------------------------------------------------ free-benchmark
+
+def _free_benchmark_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dump", help="the dump_path of a free_benchmark run (step<N>/<rank>/free_benchmark.csv)")
+    p.add_argument("--json", metavar="PATH", help="also write the summary as JSON ('-' for stdout)")
+
+
+def _free_benchmark_run(args: argparse.Namespace) -> int:
+    from msprobe_engine.analysis.free_benchmark import format_failures, summarize
+
+    failures = summarize(args.dump)
+    if args.json != "-":
+        print(format_failures(failures))
+    if args.json:
+        _write_json([f.as_dict() for f in failures], args.json)
+    return 0
+
+
 VERBS: dict[str, Verb] = {
     "analyze": Verb("find where a dump first went bad (nan/inf scenes, ignore rules)",
                     _analyze_arguments, _analyze_run),
@@ -184,6 +230,10 @@ VERBS: dict[str, Verb] = {
                   "(TensorBoard tb-graph-ascend file and HTML report)", _graph_arguments, _graph_run),
     "check-config": Verb("validate a monitor config file before a run",
                          _check_config_arguments, _check_config_run),
+    "grad-probe": Verb("gradient direction similarity of grad_probe dumps (two runs, or steps of one)",
+                       _grad_probe_arguments, _grad_probe_run),
+    "free-benchmark": Verb("the APIs a free_benchmark run found unstable, worst first",
+                           _free_benchmark_arguments, _free_benchmark_run),
 }
 
 

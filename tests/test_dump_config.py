@@ -31,9 +31,9 @@ def test_predecessor_config_file(tmp_path):
 
 
 @pytest.mark.parametrize("config,message", [
-    ({"task": "overflow_check"}, "task: 'overflow_check' is a predecessor option this dump does not implement; "
-                                 "use one of statistics, tensor"),
-    ({"task": "stats"}, "task: 'stats' is not one of statistics, tensor"),
+    ({"task": "run_ut"}, "task: 'run_ut' is a predecessor option this dump does not implement; "
+                         "use one of statistics, tensor, overflow_check"),
+    ({"task": "stats"}, "task: 'stats' is not one of statistics, tensor, overflow_check"),
     ({"level": "L2"}, "level: 'L2' is a predecessor option this dump does not implement"),
     ({"level": "l1"}, "level: 'l1' is not one of L0, L1, mix"),
     ({"step": ["6-4"]}, "step[0]: range '6-4' is inverted (start 6 > end 4); write \"4-6\""),

@@ -6,8 +6,9 @@ Accepted layout (the predecessor's)::
      "statistics": {"scope": [], "list": [], "data_mode": ["all"], "summary_mode": "statistics"}}
 
 The section named after the task (``statistics`` or ``tensor``) holds scope/list/data_mode/
-summary_mode; those keys may also be given at the top level. Sections of the predecessor's
-other tasks are ignored. Our own keys: ``stack`` (write stack.json), ``queue_size`` and
+summary_mode; those keys may also be given at the top level. The debugger tasks
+(overflow_check, grad_probe, free_benchmark, diff_check) have their own keys in their section,
+see `msprobe_engine.dump.tasks`. Sections of the predecessor's other tasks are ignored. Our own keys: ``stack`` (write stack.json), ``queue_size`` and
 ``when_full`` (the writer queue), ``strict`` (errors inside hooks raise). Every problem raises
 `ConfigError` naming the key and the value.
 """
@@ -22,14 +23,17 @@ from typing import Any, Union
 from msprobe_engine.config.errors import ConfigError
 from msprobe_engine.config.loader import read_file
 from msprobe_engine.dump.schema import FRAMEWORKS, parse_entry_name
+from msprobe_engine.dump.tasks import TASK_LEVELS, TaskOptions, parse_task_options, section_keys
 
 TASKS = ("statistics", "tensor")
 LEVELS = ("L0", "L1", "mix")
 DATA_MODES = ("all", "forward", "backward", "input", "output")
-SUMMARY_MODES = ("statistics", "md5")
+SUMMARY_MODES = ("statistics", "md5", "xor")
 WHEN_FULL = ("wait", "drop")
+#: the debugger tasks of `msprobe_engine.dump.tasks` (overflow_check, grad_probe, free_benchmark, diff_check)
+DEBUGGER_TASKS = tuple(TASK_LEVELS)
 #: the predecessor's other tasks: their sections are ignored, choosing them is an error
-OTHER_TASKS = ("overflow_check", "run_ut", "free_benchmark", "grad_probe", "structure")
+OTHER_TASKS = ("run_ut", "acc_check", "structure")
 SECTION_KEYS = ("scope", "list", "data_mode", "summary_mode")
 TOP_KEYS = ("task", "dump_path", "rank", "step", "level", "framework", "enable_dataloader", "async_dump",
             "is_deterministic", "stack", "queue_size", "when_full", "strict")
@@ -54,6 +58,8 @@ class DumpConfig:
     queue_size: int = 256
     when_full: str = "wait"
     strict: bool = False
+    #: the options of a debugger task (`msprobe_engine.dump.tasks`), None for statistics/tensor
+    options: TaskOptions | None = None
 
     def wants_step(self, step: int) -> bool:
         return self.steps is None or step in self.steps
@@ -96,11 +102,11 @@ def load_dump_config(source: DumpConfigSource = None, **overrides: Any) -> DumpC
 
 
 def _build(data: dict) -> DumpConfig:
-    task = _choice(data.get("task", "statistics"), "task", TASKS, OTHER_TASKS)
+    task = _choice(data.get("task", "statistics"), "task", TASKS + DEBUGGER_TASKS, OTHER_TASKS)
     section = _section(data, task)
     for key in data:
-        if key not in TOP_KEYS and key not in SECTION_KEYS and key not in TASKS + OTHER_TASKS:
-            _unknown(key, TOP_KEYS + SECTION_KEYS + TASKS)
+        if key not in TOP_KEYS and key not in SECTION_KEYS and key not in TASKS + DEBUGGER_TASKS + OTHER_TASKS:
+            _unknown(key, TOP_KEYS + SECTION_KEYS + TASKS + DEBUGGER_TASKS)
     _reject_unsupported(data)
     if "dump_path" not in data:
         raise ConfigError("dump_path: required key is missing")
@@ -108,6 +114,7 @@ def _build(data: dict) -> DumpConfig:
     if not isinstance(dump_path, (str, Path)) or not str(dump_path).strip():
         raise ConfigError(f"dump_path: expected a non-empty path string, got {dump_path!r}")
     level = _choice(data.get("level", "L1"), "level", LEVELS, ("L2",))
+    options = _task_options(task, section, level, "level" in data)
     return DumpConfig(
         dump_path=Path(dump_path), task=task, level=level,
         ranks=parse_id_list(data.get("rank", []), "rank"),
@@ -120,16 +127,18 @@ def _build(data: dict) -> DumpConfig:
         queue_size=_positive(data.get("queue_size", 256), "queue_size"),
         when_full=_choice(data.get("when_full", "wait"), "when_full", WHEN_FULL),
         strict=_bool(data.get("strict", False), "strict"),
+        options=options,
     )
 
 
 def _section(data: dict, task: str) -> dict:
     section = data.get(task, {})
+    allowed = _section_keys(task)
     if not isinstance(section, dict):
-        raise ConfigError(f"{task}: expected a mapping of {', '.join(SECTION_KEYS)}, got {section!r}")
+        raise ConfigError(f"{task}: expected a mapping of {', '.join(allowed)}, got {section!r}")
     for key in section:
-        if key not in SECTION_KEYS:
-            _unknown(f"{task}.{key}", SECTION_KEYS, key)
+        if key not in allowed:
+            _unknown(f"{task}.{key}", allowed, key)
         if key in data:
             raise ConfigError(f"{key}: given both at the top level and in '{task}'; keep one")
     return {**{k: data[k] for k in SECTION_KEYS if k in data}, **section}
@@ -245,3 +254,17 @@ def _scope(value: Any, level: str) -> tuple[str, str] | None:
         raise ConfigError(f"scope: inverted: call {first.counter} of {first.key} comes after call {last.counter}")
     return names[0], names[1]
 
+
+
+# ---- debugger tasks (overflow_check, grad_probe, free_benchmark, diff_check; issue 17) --------
+def _section_keys(task: str) -> tuple[str, ...]:
+    """The keys the section named after `task` accepts."""
+    return section_keys(task) if task in DEBUGGER_TASKS else SECTION_KEYS
+
+
+def _task_options(task: str, section: dict, level: str, level_given: bool) -> TaskOptions | None:
+    """A debugger task's options (its own keys; scope/list/data_mode stay with the dump's)."""
+    if task not in DEBUGGER_TASKS:
+        return None
+    own = {k: v for k, v in section.items() if k not in SECTION_KEYS}
+    return parse_task_options(task, own, level, level_given)

@@ -25,6 +25,8 @@ _MODULE_RE = re.compile(r"^(Module|Cell)\.(.+)\.(forward|backward)\.(\d+)$")
 _PARAM_GRAD_RE = re.compile(r"^(Module|Cell)\.(.+)\.parameters_grad$")
 _API_RE = re.compile(r"^([A-Za-z][A-Za-z0-9_]*)\.(.+)\.(\d+)\.(forward|backward)$")
 _MD5_RE = re.compile(r"^[0-9a-fA-F]{8}$")
+#: summary_mode xor: a 64-bit XOR checksum (a 0-dim tensor's value itself is a number)
+_XOR_RE = re.compile(r"^0x[0-9a-f]{16}$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +144,13 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _valid_md5(value: Any) -> bool:
+    """A CRC-32 (summary_mode md5) or a XOR checksum (summary_mode xor: hex, or a 0-dim value)."""
+    if isinstance(value, str):
+        return bool(_MD5_RE.match(value) or _XOR_RE.match(value))
+    return isinstance(value, (int, float))
+
+
 def _check_tensor(where: str, rec: dict, task: str, framework: str) -> list[str]:
     problems = []
     if not isinstance(rec.get("dtype"), str):
@@ -165,7 +174,7 @@ def _check_tensor(where: str, rec: dict, task: str, framework: str) -> list[str]
         problems.append(f"{where}: 'data_name' must be a string")
     elif task == "tensor" and "data_name" not in rec:
         problems.append(f"{where}: missing 'data_name' (task is 'tensor')")
-    if "md5" in rec and not (isinstance(rec["md5"], str) and _MD5_RE.match(rec["md5"])):
+    if "md5" in rec and not _valid_md5(rec["md5"]):
         problems.append(f"{where}: 'md5' must be an 8-digit hex CRC-32, got {rec['md5']!r}")
     return problems
 

@@ -19,6 +19,7 @@ A framework's session (its `PrecisionDebugger`) adds the hooks and the capture.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from functools import partial
 from pathlib import Path
@@ -27,7 +28,7 @@ from typing import Any, Iterator
 from msprobe_engine.config.errors import ConfigError
 from msprobe_engine.dump.config import DumpConfig, DumpConfigSource, load_dump_config
 from msprobe_engine.dump.schema import parse_entry_name
-from msprobe_engine.dump.writer import StepFiles
+from msprobe_engine.dump.writer import StepFiles, write_file
 from msprobe_engine.sinks.writer import BackgroundWriter
 
 log = logging.getLogger("msprobe_engine")
@@ -178,7 +179,7 @@ class DumpSession:
                 raise
             log.exception("msprobe dump: step %d could not be closed", self.current_step)
             data = None
-        if self._collected:
+        if self._collected and (data is None or data.entries or data.write_empty):
             files = self._step_files()
             if data is None or self._incomplete:
                 self._drop(files, "its tensors did not fit in the writer queue" if data else "an error")
@@ -196,7 +197,9 @@ class DumpSession:
             log.warning("msprobe dump: step %d dropped: %s (further drops are counted)", self.current_step, reason)
 
     def _write_step(self, files: StepFiles, meta: dict, data: Any) -> None:
-        files.commit(meta, data.entries, data.host_rows, data.construct, data.stacks)
+        final = files.commit(meta, data.entries, data.host_rows, data.construct, data.stacks)
+        for name, content in (data.extra or {}).items():
+            write_file(final / name, json.dumps(content, indent=1))
         self.steps_written += 1
 
 

@@ -21,6 +21,8 @@ import numpy as np
 from msprobe_engine.dump.entry import TensorSlot, render_entries
 from msprobe_engine.dump.reader import CONSTRUCT_JSON, DUMP_JSON, STACK_JSON, TENSOR_DIR
 
+#: tasks whose dump.json names a dump_data_dir (they save tensor files)
+TENSOR_TASKS = ("tensor", "overflow_check", "diff_check")
 #: a raw call stack: (file, line, function) per frame, innermost last
 Frames = Sequence[tuple[str, int, str]]
 
@@ -32,6 +34,10 @@ class StepData:
     construct: dict[str, str | None]
     stacks: dict[str, list[tuple[str, int, str]]] | None
     host_rows: np.ndarray
+    #: False: a step without entries writes no files (overflow_check, diff_check, free_benchmark)
+    write_empty: bool = True
+    #: more JSON files of the rank directory: file name -> content (overflow_summary.json)
+    extra: dict[str, Any] | None = None
 
 
 def rank_dir_name(rank: int | None) -> str:
@@ -100,7 +106,7 @@ class StepFiles:
                construct: dict[str, str | None] | None, stacks: dict[str, Frames] | None) -> Path:
         """Write the JSON files and move the directory into place; returns the rank directory."""
         self._prepare()
-        if meta.get("task") == "tensor":
+        if meta.get("task") in TENSOR_TASKS:
             meta = {**meta, "dump_data_dir": str((self.final / TENSOR_DIR).resolve())}
         write_file(self.partial / DUMP_JSON, dump_json_text(meta, render_entries(entries, host_rows, meta.get("framework", "pytorch"))))
         if stacks is not None:

@@ -29,6 +29,7 @@ import numpy as np
 
 from msprobe_engine.config.errors import ConfigError
 from msprobe_engine.dump.session import DumpSession, check_names
+from msprobe_engine.dump.tasks import require_support
 from msprobe_engine.dump.writer import array_crc32
 
 log = logging.getLogger("msprobe_engine")
@@ -46,6 +47,9 @@ class MindSporePrecisionDebugger(DumpSession):
         """As `PrecisionDebugger`; `params`: the parameters a gradient tuple given to `step`
         follows (default: the net's `trainable_params()`)."""
         super().__init__(*args, **kwargs)
+        require_support(self.config.task, "MindSpore", ("statistics", "tensor"))
+        if self.config.summary_mode == "xor":
+            raise ConfigError("summary_mode: 'xor' is not supported on MindSpore yet; use statistics or md5")
         if self.config.level != "L0":
             raise ConfigError(f"level: {self.config.level!r}: the MindSpore dump has level L0 only "
                               "(Cells); set \"level\": \"L0\"")

@@ -24,6 +24,7 @@ import torch
 from msprobe_engine.collect.flatten import iter_tensors
 from msprobe_engine.frameworks.torch.capture.api import ApiCatalog, writes_unknown, written_tensors
 from msprobe_engine.frameworks.torch.capture.backward import GradCall, after_call, before_call, in_backward
+from msprobe_engine.frameworks.torch.capture.checksum import checksum_text, fold, xor_words
 from msprobe_engine.dump.config import DumpConfig
 from msprobe_engine.dump.entry import UNHANDLED, TensorSlot, describe
 from msprobe_engine.dump.select import Selection, Want
@@ -131,6 +132,7 @@ class Recorder:
         self.emit_tensors = emit_tensors
         self.save_tensors = config.task == "tensor"
         self.copies = self.save_tensors or config.summary_mode == "md5"
+        self.xor = config.summary_mode == "xor"  # on-device checksums, read with the statistics
         self.active = False
         self.hook_errors: dict[str, int] = {}
         self._lock = threading.RLock()
@@ -148,6 +150,7 @@ class Recorder:
         self._grad_calls: list[GradCall] = []
         self._items: TensorItems = []
         self._item_bytes = 0
+        self._checksums: list[tuple[TensorSlot, torch.Tensor]] = []
         self._flush_task: int | None = None
         self.sel.new_step()
         self.stats.reset()
@@ -161,6 +164,7 @@ class Recorder:
                     call.finish()
             with torch._C.DisableTorchFunction():
                 host = self.stats.to_host()
+                self._read_checksums()
             self._emit()
             return StepData(self.entries, self.construct, self.stacks, host)
         finally:
@@ -189,6 +193,21 @@ class Recorder:
         return True
 
     # ---- tensors -----------------------------------------------------------------------
+    def _read_checksums(self) -> None:
+        """summary_mode xor: the step's checksums read to the host (one copy of every tensor's folded
+        words, one of the 0-dim tensors' values) into their slots' md5."""
+        words = [(slot, w) for slot, w in self._checksums if w.dim() == 1]
+        if words:
+            for (slot, _), value in zip(words, fold(torch.stack([w for _, w in words]).to("cpu").numpy())):
+                slot.md5 = checksum_text(value)
+        scalars = [(slot, v) for slot, v in self._checksums if v.dim() == 0]
+        for floating in (False, True):
+            found = [(slot, v) for slot, v in scalars if v.is_floating_point() == floating]
+            if found:
+                kind = torch.float64 if floating else torch.int64
+                for (slot, _), value in zip(found, torch.stack([v.to(kind) for _, v in found]).to("cpu").tolist()):
+                    slot.md5 = checksum_text(value)
+
     def _leaf(self, value: Any, name: str) -> Any:
         if isinstance(value, torch.Tensor):
             return self._slot(value, name)
@@ -208,6 +227,8 @@ class Recorder:
         copied = self.copies and not tensor.is_meta
         slot = TensorSlot(_dtype_name(tensor.dtype), list(tensor.shape), tensor.requires_grad, kind, row,
                           f"{name}.pt" if copied and self.save_tensors else None)
+        if self.xor and kind != "none" and not tensor.is_meta:
+            self._checksums.append((slot, xor_words(tensor)))
         if copied:
             copy = self.stats.copy(tensor)
             self._items.append((slot, copy))
