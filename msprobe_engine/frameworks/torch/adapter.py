@@ -25,6 +25,11 @@ class TorchFramework:
     def replay_host(self) -> TorchReplayHost:
         return TorchReplayHost()
 
+    def precheck(self) -> Any:
+        """The API pre-check's torch side (`msprobe_engine.frameworks.torch.precheck.api`)."""
+        from msprobe_engine.frameworks.torch.precheck import api
+        return api
+
     def dump_session(self) -> type:
         from msprobe_engine.frameworks.torch.capture.session import PrecisionDebugger
         return PrecisionDebugger
