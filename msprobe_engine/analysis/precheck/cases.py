@@ -96,3 +96,11 @@ def dump_cases(dump: RankDump, white_list: Iterable[str] = (), black_list: Itera
         name = f"{api}.{parsed.counter}"
         backward = dump.data.get(f"{name}.backward")
         yield ApiCase(name, api, entry, backward if isinstance(backward, dict) else None, dump)
+
+
+def find_case(dump: RankDump, api_name: str) -> ApiCase | None:
+    """The case of one call, named as in the dump (``Functional.gelu.0.forward``/``.backward``)
+    or as in the report (``Functional.gelu.0``); None when the dump has no such call."""
+    parsed = parse_entry_name(api_name)
+    name = f"{parsed.prefix}.{parsed.target}.{parsed.counter}" if parsed and not parsed.is_module else api_name
+    return next((case for case in dump_cases(dump) if case.name == name), None)
