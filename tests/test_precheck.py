@@ -1,0 +1,142 @@
+"""API accuracy pre-check (run_ut) offline, generate_operator, the standards, bad dumps.
+
+The test model's GELU is replaced by one that computes in float16 for every dtype but float64
+(tests/precheck_helpers.py): the pre-check must flag exactly that API, and nothing when the
+GELU is the real one.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import precheck_helpers as helpers
+from msprobe_engine.analysis.precheck.cases import ApiCase
+from msprobe_engine.analysis.precheck.runner import PrecheckConfig, run_ut
+from msprobe_engine.analysis.precheck.standards import check_output
+from msprobe_engine.cli import main
+from msprobe_engine.dump.reader import DumpError
+
+ROOT = Path(__file__).resolve().parents[1]
+APIS = ["Functional.linear.0", "Tensor.mul.0", "Functional.gelu.0", "Functional.layer_norm.0",
+        "Functional.linear.1", "Functional.cross_entropy.0"]
+
+
+def read_rows(path: Path) -> dict[str, list[str]]:
+    with open(path, newline="", encoding="utf-8") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["API name", "Forward Test Success", "Backward Test Success", "Message"]
+    return {row[0]: row[1:] for row in rows[1:]}
+
+
+@pytest.fixture
+def lossy_gelu():
+    helpers.install()
+    yield
+    helpers.uninstall()
+
+
+@pytest.mark.parametrize("task", ["tensor", "statistics"])
+def test_run_ut_flags_exactly_the_lossy_api(tmp_path, lossy_gelu, task, capsys):
+    rank_dir = helpers.train_step_dump(tmp_path / "dump", task)
+    assert main(["run_ut", "-i", str(rank_dir), "-o", str(tmp_path / "out"), "--xlsx"]) == 0
+    assert "1 error, 11 pass" in capsys.readouterr().out
+    rows = read_rows(next((tmp_path / "out").glob("accuracy_checking_result_*.csv")))
+    assert list(rows) == APIS
+    assert rows.pop("Functional.gelu.0")[:2] == ["error", "pass"]
+    assert all(r[:2] == ["pass", "pass"] for r in rows.values()), rows
+    assert next((tmp_path / "out").glob("accuracy_checking_result_*.xlsx")).stat().st_size > 0
+    with open(next((tmp_path / "out").glob("accuracy_checking_details_*.csv")), newline="", encoding="utf-8") as f:
+        details = {row[0]: row for row in csv.reader(f)}
+    assert details["Functional.gelu.0.forward.output.0"][-2] == "error"
+    assert float(details["Functional.gelu.0.forward.output.0"][5]) > 1e-3  # max abs error column
+
+    helpers.uninstall()  # the real GELU on the same dump: nothing to flag
+    reports = run_ut(rank_dir, tmp_path / "control")
+    assert set(reports[0].counts) == {"pass"}
+
+
+def test_white_list_and_resume(tmp_path):
+    rank_dir = helpers.train_step_dump(tmp_path / "dump", "tensor")
+    first = run_ut(rank_dir, tmp_path / "out", config=PrecheckConfig(white_list=("linear",)))
+    assert list(read_rows(first[0].result_path)) == ["Functional.linear.0", "Functional.linear.1"]
+    second = run_ut(rank_dir, tmp_path / "out", resume=True, config=PrecheckConfig(black_list=("cross_entropy",)))
+    assert second[0].result_path == first[0].result_path
+    assert list(read_rows(second[0].result_path)) == ["Functional.linear.0", "Functional.linear.1", "Tensor.mul.0",
+                                                      "Functional.gelu.0", "Functional.layer_norm.0"]
+
+
+@pytest.mark.slow
+def test_generate_operator_script_reproduces_the_error(tmp_path, lossy_gelu):
+    rank_dir = helpers.train_step_dump(tmp_path / "dump", "statistics")
+    script = tmp_path / "repro.py"
+    assert main(["generate_operator", "-i", str(tmp_path / "dump"), "--api", "Functional.gelu.0.forward",
+                 "-o", str(script)]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    lossy = helpers.sitecustomize_dir(tmp_path / "site")
+    bad = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env={**env, "PYTHONPATH": os.pathsep.join([str(lossy), str(ROOT)])})
+    assert bad.returncode == 1, bad.stderr
+    assert "Functional.gelu.0 on cpu: forward error" in bad.stdout
+    good = subprocess.run([sys.executable, str(script), "cpu"], capture_output=True, text=True, timeout=120,
+                          env={**env, "PYTHONPATH": str(ROOT)})
+    assert good.returncode == 0, good.stderr
+    assert "forward pass, backward pass" in good.stdout
+    assert str(rank_dir.resolve()) in script.read_text()
+
+
+def test_truncated_dump_names_the_file_and_entry(tmp_path, capsys):
+    rank_dir = helpers.train_step_dump(tmp_path / "dump", "tensor")
+    tensor = rank_dir / "dump_tensor_data" / "Functional.gelu.0.forward.input.0.pt"
+    tensor.write_bytes(tensor.read_bytes()[:40])
+    with pytest.raises(DumpError, match=r"Functional\.gelu\.0\.forward\.input\.0\.pt.*'Functional\.gelu\.0\.forward'"
+                                         r".*input_args\.0.*cannot load tensor"):
+        run_ut(rank_dir, tmp_path / "out")
+    dump_json = rank_dir / "dump.json"
+    dump_json.write_text(dump_json.read_text()[:500])
+    assert main(["run_ut", "-i", str(rank_dir), "-o", str(tmp_path / "out2")]) == 1
+    assert f"{dump_json}: invalid JSON at line" in capsys.readouterr().err
+
+
+def test_other_tool_version_entry_is_named(tmp_path, capsys):
+    rank_dir = helpers.train_step_dump(tmp_path / "dump", "statistics")
+    doc = json.loads((rank_dir / "dump.json").read_text())
+    doc["data"]["Functional.gelu.0.forward"]["input_args"][0]["shape"] = "8x64"
+    (rank_dir / "dump.json").write_text(json.dumps(doc))
+    assert main(["run_ut", "-i", str(rank_dir), "-o", str(tmp_path / "out")]) == 1
+    assert "data['Functional.gelu.0.forward'].input_args[0]: 'shape'" in capsys.readouterr().err
+
+
+def test_unreplayable_calls_are_skipped_with_a_reason():
+    record = {"type": "torch.Tensor", "dtype": "torch.float32", "shape": [2], "Max": 1.0, "Min": 0.0,
+              "Mean": 0.5, "Norm": 1.0, "requires_grad": False}
+    entry = {"input_args": [record], "input_kwargs": {}}
+    assert "random op" in ApiCase("Functional.dropout.0", "Functional.dropout", entry).skip_reason()
+    assert "communication op" in ApiCase("Distributed.all_reduce.0", "Distributed.all_reduce", entry).skip_reason()
+    unknown = {"input_args": [record, {}], "input_kwargs": {}}
+    assert "could not describe" in ApiCase("Functional.gelu.0", "Functional.gelu", unknown).skip_reason()
+    assert ApiCase("Functional.gelu.0", "Functional.gelu", entry).skip_reason() is None
+    assert ApiCase("Tensor.add_.0", "Tensor.add_", entry).inplace
+
+
+def test_standards_per_dtype():
+    bench = np.linspace(4.0, 16.0, 1000)
+    assert check_output(bench, bench.astype(np.float32).astype(np.float64), "torch.float32").status == "pass"
+    half = bench.astype(np.float16).astype(np.float64)
+    assert check_output(bench, half, "torch.float16").status == "pass"     # float16's own rounding
+    assert check_output(bench, half, "torch.float32").status == "warning"  # the same error in float32
+    for dtype in ("torch.float16", "torch.bfloat16", "torch.float32"):
+        assert check_output(bench, bench * 1.02, dtype).status == "error"
+    wrong = bench.copy()
+    wrong[0] = np.inf
+    assert "inf/nan" in check_output(bench, wrong, "torch.float32").message
+    ints = np.arange(10)
+    assert check_output(ints, ints, "torch.int64").status == "pass"
+    assert check_output(ints, ints[::-1].copy(), "torch.int64").metrics["error_rate"] == 1.0
+    assert check_output(bench, bench[:10], "torch.float32").status == "error"
