@@ -1,0 +1,156 @@
+"""The online checker (``msprobe-engine run_ut --online``): receives API calls from training
+processes, runs the float64 benchmark of each and writes the same report as the offline run.
+
+One thread accepts connections, one thread per connection reads frames into a bounded queue
+(when it is full, reading waits, TCP pushes back, and the sender's own bounded queue drops and
+counts: the training is never held), and the main thread checks the queued calls in order. A
+sender that dies mid-stream ends only its own connection. SIGTERM or SIGINT stops accepting,
+ends the connections and checks everything already received before the report is closed.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import queue
+import signal
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+from msprobe_engine.analysis.precheck.protocol import (CASE, END, HELLO, ProtocolError, parse_hello, read_frame,
+                                                       server_tls)
+from msprobe_engine.analysis.precheck.report import PrecheckReport
+from msprobe_engine.analysis.precheck.runner import PrecheckConfig, check_case
+from msprobe_engine.registry import load_framework
+
+log = logging.getLogger("msprobe_engine")
+_STOP = object()
+ACCEPT_POLL_S = 0.2
+
+
+class CheckerServer:
+    """Listens on `config.host:config.port` (port 0: a free one, see `port`); see the module docstring."""
+
+    def __init__(self, out_dir: Path | str, config: PrecheckConfig, *, queue_size: int = 256, device: str = "cpu",
+                 resume: bool = False) -> None:
+        self.config, self.device = config, device
+        self.received = self.lost_connections = 0
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._stopping = threading.Event()
+        self._connections: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._tls = server_tls(config.tls_path)
+        self._listener = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
+        try:
+            self._listener.bind((config.host, config.port))
+        except OSError as e:
+            self._listener.close()
+            why = "the port is in use (another checker?)" if e.errno == errno.EADDRINUSE else e.strerror
+            raise RuntimeError(f"cannot listen on {config.host}:{config.port}: {why}; choose another --port") from None
+        self._listener.listen()
+        self._listener.settimeout(ACCEPT_POLL_S)  # close() does not wake a blocked accept(): poll instead
+        self.port = self._listener.getsockname()[1]
+        self.report = PrecheckReport(out_dir, resume=resume, precision=config.precision)
+        self._acceptor = threading.Thread(target=self._accept, name="msprobe-precheck-accept", daemon=True)
+
+    def serve(self) -> None:
+        """Check calls until `stop()`; then check what was received and close the report."""
+        self._acceptor.start()
+        precheck: dict[str, Any] = {}
+        while (item := self._queue.get()) is not _STOP:
+            framework, payload = item
+            try:
+                fw = precheck.get(framework) or precheck.setdefault(framework, load_framework(framework).precheck())
+                case = fw.decode_case(payload)
+            except Exception as e:  # a payload this checker cannot read: reported, the others go on
+                log.error("msprobe run_ut online: cannot decode an API call: %s: %s", type(e).__name__, e)
+                continue
+            self.report.add(check_case(case, fw, self.device, recorded_output=True))
+        self.report.close()
+
+    def stop(self) -> None:
+        """Stop accepting and reading; `serve` returns once the received calls are checked."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        self._listener.close()
+        with self._lock:
+            for conn in self._connections:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        threading.Thread(target=self._finish, daemon=True).start()
+
+    def _finish(self) -> None:
+        self._acceptor.join()
+        for reader in [t for t in threading.enumerate() if t.name.startswith("msprobe-precheck-conn")]:
+            reader.join()
+        self._queue.put(_STOP)
+
+    def _accept(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                conn, peer = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            conn.settimeout(None)
+            if self._tls is not None:
+                try:
+                    conn = self._tls.wrap_socket(conn, server_side=True)
+                except OSError as e:
+                    log.warning("msprobe run_ut online: TLS handshake with %s failed: %s", peer, e)
+                    conn.close()
+                    continue
+            with self._lock:
+                self._connections.add(conn)
+            threading.Thread(target=self._read, args=(conn, peer), name=f"msprobe-precheck-conn-{peer[1]}",
+                             daemon=True).start()
+
+    def _read(self, conn: socket.socket, peer: Any) -> None:
+        framework, ended = None, False
+        try:
+            while (frame := read_frame(conn)) is not None:
+                kind, payload = frame
+                if kind == HELLO:
+                    info = parse_hello(payload)
+                    framework = info["framework"]
+                    log.info("msprobe run_ut online: %s connected (pid %s, rank %s)", peer, info.get("pid"),
+                             info.get("rank"))
+                elif kind == CASE:
+                    if framework is None:
+                        raise ProtocolError("a case frame before the hello frame")
+                    self._queue.put((framework, payload))
+                    self.received += 1
+                elif kind == END:
+                    ended = True
+                    break
+        except (ProtocolError, OSError) as e:
+            if not self._stopping.is_set():
+                log.warning("msprobe run_ut online: connection from %s lost: %s", peer, e)
+        finally:
+            with self._lock:
+                self._connections.discard(conn)
+            conn.close()
+        if not ended and not self._stopping.is_set():
+            self.lost_connections += 1
+            log.warning("msprobe run_ut online: %s went away without closing (training killed?); "
+                        "the checker goes on", peer)
+
+
+def serve(out_dir: Path | str, config: PrecheckConfig, *, queue_size: int = 256, device: str = "cpu",
+          resume: bool = False) -> int:
+    """The ``run_ut --online`` verb: serve until SIGTERM/SIGINT; prints the address, then the counts."""
+    server = CheckerServer(out_dir, config, queue_size=queue_size, device=device, resume=resume)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: server.stop())
+    print(f"run_ut --online: listening on {config.host}:{server.port}; results: {server.report.result_path}",
+          flush=True)
+    server.serve()
+    counts = ", ".join(f"{n} {status}" for status, n in sorted(server.report.counts.items()))
+    print(f"run_ut --online: {server.received} call(s) received, {counts or 'none checked'}; "
+          f"{server.lost_connections} connection(s) lost", flush=True)
+    return 0

@@ -1,0 +1,126 @@
+"""Online pre-check, training side: every API call's inputs and output go to the checker.
+
+::
+
+    from msprobe_engine.frameworks.torch.precheck.online import OnlinePrecheck
+
+    with OnlinePrecheck(port=8765):          # or host=..., config="config.json" (its run_ut section)
+        train()                              # every API call is copied and queued for the checker
+
+The calls are seen through the same `TorchFunctionMode` as the L1 dump (nothing is patched) and
+named like its entries (``Functional.gelu.0``). On the training thread a call costs one
+``detach().clone()`` of its tensors; moving them to the host, encoding and sending happen on the
+sender thread (`analysis.precheck.client.CheckerClient`), whose bounded queue drops and counts
+when the checker falls behind. Calls that cannot be checked (in-place, random, communication,
+creation ops) are not sent. The forward is checked (the training's own output against the
+float64 benchmark); backward is checked offline only.
+"""
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from msprobe_engine.analysis.precheck.cases import ApiCase, selected
+from msprobe_engine.analysis.precheck.client import CheckerClient
+from msprobe_engine.analysis.precheck.runner import load_precheck_config
+from msprobe_engine.dump.entry import UNHANDLED, describe
+from msprobe_engine.frameworks.torch.capture.api import ApiCatalog, ApiMode, push_mode, remove_mode
+
+
+def _leaf(value: Any, name: str) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, torch.Size):
+        return {"type": "torch.Size", "value": list(value)}
+    if isinstance(value, (torch.dtype, torch.device)):
+        return {"type": f"torch.{type(value).__name__}", "value": str(value)}
+    return UNHANDLED
+
+
+def _to_host(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, list):
+        return [_to_host(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_host(v) for k, v in value.items()}
+    return value
+
+
+def encode_case(case: ApiCase) -> bytes:
+    """One call as bytes (``torch.save`` of its name and entry, tensors on the host)."""
+    buffer = io.BytesIO()
+    torch.save({"name": case.name, "api": case.api, "forward": _to_host(case.forward)}, buffer)
+    return buffer.getvalue()
+
+
+def decode_case(payload: bytes) -> ApiCase:
+    """The call `encode_case` wrote (read with ``weights_only=True``: tensors and plain values only)."""
+    doc = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    return ApiCase(doc["name"], doc["api"], doc["forward"])
+
+
+class OnlinePrecheck:
+    """Sends the API calls made between `start` and `stop` to the checker at `host:port`."""
+
+    def __init__(self, host: str | None = None, port: int | None = None, *, config: str | Path | None = None,
+                 queue_size: int = 64, tls_ca: str | None = None, white_list: tuple[str, ...] | None = None,
+                 black_list: tuple[str, ...] | None = None) -> None:
+        settings = load_precheck_config(config)
+        self.host, self.port = host or settings.host, port if port is not None else settings.port
+        if not self.port:
+            raise ValueError("online run_ut: give the checker's port (port=..., or run_ut.port in the config)")
+        self.white_list = settings.white_list if white_list is None else white_list
+        self.black_list = settings.black_list if black_list is None else black_list
+        rank = int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else None
+        self.client = CheckerClient(self.host, self.port, "torch", encode_case, rank=rank, queue_size=queue_size,
+                                    tls_ca=tls_ca)
+        self._catalog = ApiCatalog()
+        self._mode = ApiMode(self._call)
+        self._counters: dict[str, int] = {}
+        self._active = False
+
+    def start(self) -> "OnlinePrecheck":
+        if not self._active:
+            self._active = True
+            push_mode(self._mode)
+        return self
+
+    def stop(self) -> None:
+        if self._active:
+            self._active = False
+            remove_mode(self._mode)
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop, send what is queued and close the connection."""
+        self.stop()
+        self.client.close(timeout)
+
+    def __enter__(self) -> "OnlinePrecheck":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        out = func(*args, **kwargs)
+        info = self._catalog.get(func)
+        if info is None or not info.dump or not self.client.alive or not selected(info.key, self.white_list,
+                                                                                  self.black_list):
+            return out
+        n = self._counters.get(info.key, 0)
+        self._counters[info.key] = n + 1
+        name = f"{info.key}.{n}"
+        probe = ApiCase(name, info.key, {})
+        if probe.inplace or info.writes(args, kwargs) or probe.skip_reason():
+            return out
+        kwargs = info.user_kwargs(kwargs)
+        entry = {"input_args": describe(list(args), f"{name}.forward.input", _leaf),
+                 "input_kwargs": describe(dict(kwargs), f"{name}.forward.input", _leaf),
+                 "output": describe(out, f"{name}.forward.output", _leaf)}
+        self.client.submit(ApiCase(name, info.key, entry))
+        return out
