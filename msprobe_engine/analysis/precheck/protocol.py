@@ -16,7 +16,7 @@ import socket
 import ssl
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 PROTOCOL, VERSION = "msprobe-engine precheck", 1
 HELLO, CASE, END = b"H", b"C", b"E"
@@ -33,12 +33,22 @@ def write_frame(sock: socket.socket, kind: bytes, payload: bytes) -> None:
     sock.sendall(_HEADER.pack(kind, len(payload)) + payload)
 
 
-def _read_exactly(sock: socket.socket, size: int) -> bytes | None:
+def _read_exactly(sock: socket.socket, size: int, end: Callable[[bool], bool] | None = None) -> bytes | None:
+    """`size` bytes; None when the peer closed (or `end(idle)` said so) before the first byte.
+    A socket with a timeout is polled: between frames `end(idle=True)` is asked after a quiet
+    interval, `end(idle=False)` before each read."""
     chunks, left = [], size
     while left:
-        chunk = sock.recv(min(left, 1 << 20))
+        if end is not None and left == size and end(False):
+            return None
+        try:
+            chunk = sock.recv(min(left, 1 << 20))
+        except TimeoutError:
+            if end is not None and left == size and end(True):
+                return None
+            continue
         if not chunk:
-            if left == size and not chunks:
+            if left == size:
                 return None
             raise ProtocolError(f"connection closed inside a frame ({size - left} of {size} bytes received)")
         chunks.append(chunk)
@@ -46,9 +56,10 @@ def _read_exactly(sock: socket.socket, size: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def read_frame(sock: socket.socket) -> tuple[bytes, bytes] | None:
-    """The next (kind, payload); None when the peer closed between frames."""
-    header = _read_exactly(sock, _HEADER.size)
+def read_frame(sock: socket.socket, end: Callable[[bool], bool] | None = None) -> tuple[bytes, bytes] | None:
+    """The next (kind, payload); None when the peer closed between frames, or when `end` (see
+    `_read_exactly`) ended the stream there."""
+    header = _read_exactly(sock, _HEADER.size, end)
     if header is None:
         return None
     kind, size = _HEADER.unpack(header)

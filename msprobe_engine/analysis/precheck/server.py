@@ -4,8 +4,9 @@ processes, runs the float64 benchmark of each and writes the same report as the 
 One thread accepts connections, one thread per connection reads frames into a bounded queue
 (when it is full, reading waits, TCP pushes back, and the sender's own bounded queue drops and
 counts: the training is never held), and the main thread checks the queued calls in order. A
-sender that dies mid-stream ends only its own connection. SIGTERM or SIGINT stops accepting,
-ends the connections and checks everything already received before the report is closed.
+sender that dies mid-stream ends only its own connection. SIGTERM or SIGINT stops accepting;
+each connection is read on until it is quiet (at most `DRAIN_S` seconds), and everything read
+is checked before the report is closed.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import queue
 import signal
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,8 @@ from msprobe_engine.registry import load_framework
 log = logging.getLogger("msprobe_engine")
 _STOP = object()
 ACCEPT_POLL_S = 0.2
+#: after stop, a connection still sending is read for at most this long (then cut between frames)
+DRAIN_S = 10.0
 
 
 class CheckerServer:
@@ -38,8 +42,8 @@ class CheckerServer:
         self.received = self.lost_connections = 0
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._stopping = threading.Event()
-        self._connections: set[socket.socket] = set()
-        self._lock = threading.Lock()
+        self._deadline = float("inf")
+        self._lock = threading.Lock()  # the counters, from the connection threads
         self._tls = server_tls(config.tls_path)
         self._listener = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
         try:
@@ -73,14 +77,8 @@ class CheckerServer:
         """Stop accepting and reading; `serve` returns once the received calls are checked."""
         if self._stopping.is_set():
             return
+        self._deadline = time.monotonic() + DRAIN_S
         self._stopping.set()
-        self._listener.close()
-        with self._lock:
-            for conn in self._connections:
-                try:
-                    conn.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
         threading.Thread(target=self._finish, daemon=True).start()
 
     def _finish(self) -> None:
@@ -89,15 +87,27 @@ class CheckerServer:
             reader.join()
         self._queue.put(_STOP)
 
+    def _end_stream(self, idle: bool) -> bool:
+        """Between two frames of a connection: stop reading it? (stopping, and it is quiet or
+        the drain time is over)."""
+        return self._stopping.is_set() and (idle or time.monotonic() > self._deadline)
+
     def _accept(self) -> None:
-        while not self._stopping.is_set():
+        """Accept until stopped; then the connections still waiting in the backlog (their
+        senders already count their calls as sent), then close the listener."""
+        while True:
+            stopping = self._stopping.is_set()
+            if stopping:
+                self._listener.setblocking(False)
             try:
                 conn, peer = self._listener.accept()
-            except TimeoutError:
+            except (TimeoutError, BlockingIOError):
+                if stopping:
+                    break
                 continue
             except OSError:
-                return
-            conn.settimeout(None)
+                break
+            conn.settimeout(ACCEPT_POLL_S)
             if self._tls is not None:
                 try:
                     conn = self._tls.wrap_socket(conn, server_side=True)
@@ -105,15 +115,14 @@ class CheckerServer:
                     log.warning("msprobe run_ut online: TLS handshake with %s failed: %s", peer, e)
                     conn.close()
                     continue
-            with self._lock:
-                self._connections.add(conn)
             threading.Thread(target=self._read, args=(conn, peer), name=f"msprobe-precheck-conn-{peer[1]}",
                              daemon=True).start()
+        self._listener.close()
 
     def _read(self, conn: socket.socket, peer: Any) -> None:
         framework, ended = None, False
         try:
-            while (frame := read_frame(conn)) is not None:
+            while (frame := read_frame(conn, self._end_stream)) is not None:
                 kind, payload = frame
                 if kind == HELLO:
                     info = parse_hello(payload)
@@ -124,7 +133,8 @@ class CheckerServer:
                     if framework is None:
                         raise ProtocolError("a case frame before the hello frame")
                     self._queue.put((framework, payload))
-                    self.received += 1
+                    with self._lock:
+                        self.received += 1
                 elif kind == END:
                     ended = True
                     break
@@ -132,11 +142,10 @@ class CheckerServer:
             if not self._stopping.is_set():
                 log.warning("msprobe run_ut online: connection from %s lost: %s", peer, e)
         finally:
-            with self._lock:
-                self._connections.discard(conn)
             conn.close()
-        if not ended and not self._stopping.is_set():
-            self.lost_connections += 1
+        if not (ended or self._stopping.is_set()):
+            with self._lock:
+                self.lost_connections += 1
             log.warning("msprobe run_ut online: %s went away without closing (training killed?); "
                         "the checker goes on", peer)
 
