@@ -140,3 +140,29 @@ def test_standards_per_dtype():
     assert check_output(ints, ints, "torch.int64").status == "pass"
     assert check_output(ints, ints[::-1].copy(), "torch.int64").metrics["error_rate"] == 1.0
     assert check_output(bench, bench[:10], "torch.float32").status == "error"
+
+
+def test_every_call_of_a_small_gpt_replays_from_statistics(tmp_path):
+    """Attention, embedding, indexing, layer norm... from a statistics dump: all pass, the one
+    creation op is skipped with its reason."""
+    import torch
+    from examples.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
+    from msprobe_engine.dump import PrecisionDebugger
+
+    cfg = GPTConfig(dim=32, heads=2, layers=1, seq=16, batch=2, vocab=64)
+    torch.manual_seed(0)
+    model = TinyGPT(cfg)
+    tokens, targets = next(synthetic_batches(cfg, 1))
+    debugger = PrecisionDebugger({"task": "statistics", "dump_path": str(tmp_path / "dump"), "level": "L1"})
+    debugger.start(model)
+    model(tokens, targets).backward()
+    debugger.stop()
+    debugger.step()
+    debugger.close()
+    rows = read_rows(run_ut(tmp_path / "dump", tmp_path / "out")[0].result_path)
+    skipped = {name: r for name, r in rows.items() if r[0] == "SKIP"}
+    assert skipped == {"Torch.zeros_like.0": ["SKIP", " ", "creation op: no input to check"]}
+    assert len(rows) > 15 and all(r[0] == "pass" and r[1] in ("pass", " ") for n, r in rows.items()
+                                  if n not in skipped), rows
+    assert any(n.startswith("Functional.multi_head_attention_forward") and r[1] == "pass" for n, r in rows.items())
+    assert any(n.startswith("Tensor.__getitem__") for n in rows)

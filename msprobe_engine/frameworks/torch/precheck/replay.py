@@ -19,6 +19,9 @@ from msprobe_engine.frameworks.torch.precheck.inputs import Arguments, case_gene
 #: dtypes the benchmark raises to float64
 _RAISED = (torch.float16, torch.bfloat16, torch.float32)
 
+#: APIs whose index argument was a tuple when it is recorded as a list
+INDEXING = ("__getitem__", "__setitem__")
+
 Pair = tuple[np.ndarray, np.ndarray, str]  # (benchmark, device, device dtype)
 
 
@@ -127,6 +130,8 @@ def replay(case: ApiCase, device: str = "cpu", recorded_output: bool = False) ->
     values = Arguments(f"{case.name}.forward", case.source, case_generator(case.name))
     inputs = (case.forward.get("input_args", []), case.forward.get("input_kwargs", {}))
     args, kwargs = values.value(inputs[0], "input_args"), values.value(inputs[1], "input_kwargs")
+    if case.target in INDEXING and len(args) > 1 and isinstance(args[1], list):
+        args[1] = tuple(args[1])  # the dump writes tuples as lists; an index tuple is not a list index
     backward = None if case.inplace or recorded_output else case.backward
     want_grad = [bool(r.get("requires_grad")) for r in _records(inputs)] if backward is not None else []
     result = Replayed()
