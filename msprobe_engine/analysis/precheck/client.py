@@ -18,6 +18,17 @@ from msprobe_engine.analysis.precheck.protocol import CASE, END, HELLO, client_t
 
 log = logging.getLogger("msprobe_engine")
 _CLOSE = object()
+#: after the end frame, how long to wait for the checker to close its side
+CLOSE_WAIT_S = 10.0
+
+
+def _wait_for_close(sock: socket.socket) -> None:
+    """Half-close and read until the checker closes: a socket closed with bytes still unread
+    (TLS session tickets) is reset, and a reset can discard frames the checker has not read yet."""
+    sock.settimeout(CLOSE_WAIT_S)
+    sock.shutdown(socket.SHUT_WR)
+    while sock.recv(1 << 16):
+        pass
 
 
 class CheckerClient:
@@ -103,6 +114,7 @@ class CheckerClient:
                     return
             try:
                 write_frame(sock, END, b"")
+                _wait_for_close(sock)
             except OSError:
                 pass
 
