@@ -79,6 +79,8 @@ def check_case(case: ApiCase, precheck: Any, device: str = "cpu", recorded_outpu
         result.forward_skip = f"replay failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         return result
     result.forward = [check_output(b, d, dtype) for b, d, dtype in replayed.forward]
+    if not result.forward:
+        result.forward_skip = "no tensor or number in the output to compare"
     result.backward = [check_output(b, d, dtype) for b, d, dtype in replayed.backward]
     result.backward_skip = replayed.backward_skip
     return result

@@ -32,6 +32,10 @@ ULP = {"float16": (-14, 10), "bfloat16": (-126, 7), "float32": (-126, 23)}
 #: |bench| at or below this is a "small value": judged by absolute error (predecessor's values)
 SMALL_VALUE = {"float16": (1e-3, 1e-5), "bfloat16": (1e-3, 1e-5), "float32": (1e-6, 1e-9)}
 COSINE_MIN = 0.99
+#: (relative error, status when more than that share of elements exceed it), in order; by
+#: whether the dtype is low precision (float16/bfloat16)
+RATIO_RULES = {True: ((1e-2, ERROR), (1e-3, WARNING)), False: ((1e-3, ERROR), (1e-4, WARNING))}
+RATIO_COLUMNS = {1e-2: "rel_err_hundredth", 1e-3: "rel_err_thousandth", 1e-4: "rel_err_ten_thousandth"}
 #: outputs whose values all lie below this are rounding noise around zero: no cosine is taken
 NOISE = 1e-6
 MAX_ABS_PASS = 1e-3
@@ -119,20 +123,13 @@ def _check_float(bench: np.ndarray, device: np.ndarray, key: str, check: OutputC
     m["max_abs_err"] = float(abs_err.max())
     if m["max_abs_err"] < MAX_ABS_PASS:
         return _verdict(check, PASS, f"max abs error under {MAX_ABS_PASS}.")
-    ratios = {t: float(np.mean(rel_err < t)) for t in (1e-2, 1e-3, 1e-4)}
-    if key in LOW_PRECISION:
-        m["rel_err_hundredth"], m["rel_err_thousandth"] = ratios[1e-2], ratios[1e-3]
-        if ratios[1e-2] <= 1 - 1e-2:
-            return _verdict(check, ERROR, "more than 1% of elements have a relative error above 1/100.")
-        if ratios[1e-3] <= 1 - 1e-3:
-            return _verdict(check, WARNING, "more than 0.1% of elements have a relative error above 1/1000.")
-        return _verdict(check, PASS, "relative error within 1/1000.")
-    m["rel_err_thousandth"], m["rel_err_ten_thousandth"] = ratios[1e-3], ratios[1e-4]
-    if ratios[1e-3] <= 1 - 1e-3:
-        return _verdict(check, ERROR, "more than 0.1% of elements have a relative error above 1/1000.")
-    if ratios[1e-4] <= 1 - 1e-4:
-        return _verdict(check, WARNING, "more than 0.01% of elements have a relative error above 1/10000.")
-    return _verdict(check, PASS, "relative error within 1/10000.")
+    for threshold, status in RATIO_RULES[key in LOW_PRECISION]:
+        share = float(np.mean(rel_err < threshold))
+        m[RATIO_COLUMNS[threshold]] = share
+        if share <= 1 - threshold:
+            return _verdict(check, status, f"more than {threshold:.2%} of elements have a relative error "
+                                           f"above {threshold:g}.")
+    return _verdict(check, PASS, f"relative error within {threshold:g}.")
 
 
 def _verdict(check: OutputCheck, status: str, message: str) -> OutputCheck:

@@ -102,13 +102,15 @@ def _pairs(bench: list[Any], device: list[Any]) -> list[Pair]:
 class _Run:
     """One side of the replay: arguments on a device/dtype, the forward call, its gradients."""
 
-    def __init__(self, func: Callable, args: list, kwargs: dict, want_grad: list[bool]) -> None:
+    def __init__(self, func: Callable, args: list, kwargs: dict, want_grad: list[bool], inplace: bool = False) -> None:
         self.func, self.args, self.kwargs = func, args, kwargs
         self.leaves = [t for t, wanted in zip(_tensors((args, kwargs)), want_grad)
                        if wanted and t.is_floating_point() and t.is_leaf]
         for t in self.leaves:
             t.requires_grad_(True)
         self.output = func(*args, **kwargs)
+        if self.output is None and inplace and args:  # __setitem__: what it wrote into is the result
+            self.output = args[0]
 
     def grads(self, grad_outputs: list[torch.Tensor]) -> list[torch.Tensor | None]:
         outs = [o for o in _leaves(self.output) if isinstance(o, torch.Tensor) and o.requires_grad]
@@ -136,12 +138,12 @@ def replay(case: ApiCase, device: str = "cpu", recorded_output: bool = False) ->
     want_grad = [bool(r.get("requires_grad")) for r in _records(inputs)] if backward is not None else []
     result = Replayed()
     with torch.no_grad() if backward is None else torch.enable_grad():
-        bench = _Run(func, *_map((args, kwargs), _to_bench, bench=True), want_grad=want_grad)
+        bench = _Run(func, *_map((args, kwargs), _to_bench, bench=True), want_grad, case.inplace)
         if recorded_output:
             device_out: Any = values.value(case.forward.get("output"), "output")
         else:
             dev_args, dev_kwargs = _map((args, kwargs), lambda t: t.detach().to(device, copy=True))
-            dev = _Run(func, dev_args, dev_kwargs, want_grad)
+            dev = _Run(func, dev_args, dev_kwargs, want_grad, case.inplace)
             device_out = dev.output
     result.forward = _pairs(_leaves(bench.output), _leaves(device_out))
     if case.backward is not None and case.inplace:
