@@ -166,3 +166,12 @@ def test_every_call_of_a_small_gpt_replays_from_statistics(tmp_path):
                                   if n not in skipped), rows
     assert any(n.startswith("Functional.multi_head_attention_forward") and r[1] == "pass" for n, r in rows.items())
     assert any(n.startswith("Tensor.__getitem__") for n in rows)
+
+
+def test_analysis_side_imports_no_framework():
+    code = ("import sys\n"
+            "from msprobe_engine.analysis.precheck import cases, client, protocol, report, runner, server, standards\n"
+            "print(sorted(m for m in ('torch', 'mindspore', 'deepspeed', 'megatron') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True).stdout
+    assert out.strip() == "[]"
