@@ -175,3 +175,19 @@ def test_analysis_side_imports_no_framework():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_predecessor_run_ut_config_section(tmp_path):
+    from msprobe_engine.analysis.precheck.runner import load_precheck_config
+    from msprobe_engine.config.errors import ConfigError
+
+    config = {"task": "run_ut", "dump_path": "./dump", "rank": [], "step": [], "level": "L1",
+              "run_ut": {"white_list": ["gelu"], "black_list": [], "error_data_path": "./", "is_online": True,
+                         "nfs_path": "", "host": "127.0.0.1", "port": -1, "rank_list": [0]}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = load_precheck_config(tmp_path / "config.json")
+    assert (loaded.white_list, loaded.host, loaded.port) == (("gelu",), "127.0.0.1", 0)
+    config["run_ut"]["white_lst"] = ["gelu"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"run_ut\.white_lst: unknown key"):
+        load_precheck_config(tmp_path / "config.json")

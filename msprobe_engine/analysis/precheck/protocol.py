@@ -91,8 +91,12 @@ def server_tls(tls_path: str | None) -> ssl.SSLContext | None:
     """TLS for the checker: ``<tls_path>/server.crt`` and ``server.key`` (None: plain TCP)."""
     if not tls_path:
         return None
+    cert, key = Path(tls_path) / "server.crt", Path(tls_path) / "server.key"
+    missing = [str(f) for f in (cert, key) if not f.is_file()]
+    if missing:
+        raise RuntimeError(f"tls_path {tls_path}: {' and '.join(missing)} not found (TLS needs both)")
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(Path(tls_path) / "server.crt", Path(tls_path) / "server.key")
+    context.load_cert_chain(cert, key)
     return context
 
 

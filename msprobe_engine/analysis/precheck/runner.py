@@ -56,9 +56,10 @@ def load_precheck_config(path: Path | str | None) -> PrecheckConfig:
                 raise ConfigError(f"{path}: run_ut.{key}: expected a list of API names, got {value!r}")
             values[key] = tuple(value)
         elif key in ("precision", "port"):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ConfigError(f"{path}: run_ut.{key}: expected a non-negative integer, got {value!r}")
-            values[key] = value
+            lowest = -1 if key == "port" else 0  # the predecessor's "port": -1 means not set
+            if not isinstance(value, int) or isinstance(value, bool) or not lowest <= value <= 65535:
+                raise ConfigError(f"{path}: run_ut.{key}: expected an integer from {lowest} to 65535, got {value!r}")
+            values[key] = max(value, 0)
         elif key in ("host", "tls_path") and value:
             values[key] = str(value)
     return PrecheckConfig(**values)
