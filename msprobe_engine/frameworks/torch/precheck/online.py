@@ -18,6 +18,7 @@ float64 benchmark); backward is checked offline only.
 from __future__ import annotations
 
 import io
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,8 @@ from msprobe_engine.analysis.precheck.client import CheckerClient
 from msprobe_engine.analysis.precheck.runner import load_precheck_config
 from msprobe_engine.dump.entry import UNHANDLED, describe
 from msprobe_engine.frameworks.torch.capture.api import ApiCatalog, ApiMode, push_mode, remove_mode
+
+log = logging.getLogger("msprobe_engine")
 
 
 def _leaf(value: Any, name: str) -> Any:
@@ -83,6 +86,7 @@ class OnlinePrecheck:
         self._mode = ApiMode(self._call)
         self._counters: dict[str, int] = {}
         self._active = False
+        self.errors = 0
 
     def start(self) -> "OnlinePrecheck":
         if not self._active:
@@ -108,21 +112,31 @@ class OnlinePrecheck:
 
     def _call(self, func: Any, args: tuple, kwargs: dict) -> Any:
         out = func(*args, **kwargs)
+        try:
+            self._capture(func, args, kwargs, out)
+        except Exception as e:  # never into the training: reported once, the call goes unchecked
+            self.errors += 1
+            if self.errors == 1:
+                log.error("msprobe run_ut online: cannot capture %s: %s: %s; such calls are skipped",
+                          getattr(func, "__name__", func), type(e).__name__, e)
+        return out
+
+    def _capture(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """Queue one call for the checker, unless it is not checked (see the module docstring)."""
         info = self._catalog.get(func)
         if info is None or not info.dump or not selected(info.key, self.white_list, self.black_list):
-            return out
+            return
         n = self._counters.get(info.key, 0)
         self._counters[info.key] = n + 1
         name = f"{info.key}.{n}"
         probe = ApiCase(name, info.key, {})
         if probe.inplace or info.writes(args, kwargs) or probe.skip_reason():
-            return out
+            return
         if not self.client.alive:  # no checker: count it, copy nothing
             self.client.submit(None)
-            return out
+            return
         kwargs = info.user_kwargs(kwargs)
         entry = {"input_args": describe(list(args), f"{name}.forward.input", _leaf),
                  "input_kwargs": describe(dict(kwargs), f"{name}.forward.input", _leaf),
                  "output": describe(out, f"{name}.forward.output", _leaf)}
         self.client.submit(ApiCase(name, info.key, entry))
-        return out

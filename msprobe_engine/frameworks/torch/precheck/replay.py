@@ -27,18 +27,17 @@ Pair = tuple[np.ndarray, np.ndarray, str]  # (benchmark, device, device dtype)
 
 @dataclass
 class Replayed:
-    """Benchmark/device pairs of the outputs and of the input gradients; a reason where a side was
-    not replayed (`backward_skip` None and `backward` empty: the dump has no backward entry)."""
+    """Benchmark/device pairs of the outputs and of the input gradients; why the backward was not
+    replayed (`backward_skip` None and `backward` empty: the dump has no backward entry)."""
     forward: list[Pair] = field(default_factory=list)
     backward: list[Pair] = field(default_factory=list)
-    forward_skip: str | None = None
     backward_skip: str | None = None
 
 
 def resolve(api: str) -> Callable:
     """The function of ``Functional.gelu``, ``Torch.linalg.norm``, ``Tensor.add`` (a LookupError if none)."""
     prefix, _, name = api.partition(".")
-    roots = {"Functional": torch.nn.functional, "Torch": torch, "Tensor": torch.Tensor, "NPU": None}
+    roots = {"Functional": torch.nn.functional, "Torch": torch, "Tensor": torch.Tensor}
     obj: Any = roots.get(prefix)
     for part in name.split("."):
         obj = getattr(obj, part, None) if obj is not None else None
@@ -103,7 +102,6 @@ class _Run:
     """One side of the replay: arguments on a device/dtype, the forward call, its gradients."""
 
     def __init__(self, func: Callable, args: list, kwargs: dict, want_grad: list[bool], inplace: bool = False) -> None:
-        self.func, self.args, self.kwargs = func, args, kwargs
         self.leaves = [t for t, wanted in zip(_tensors((args, kwargs)), want_grad)
                        if wanted and t.is_floating_point() and t.is_leaf]
         for t in self.leaves:
