@@ -169,6 +169,7 @@ def _run_ut_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, help="online: TCP port (default run_ut.port; 0 picks a free one)")
     p.add_argument("--queue-size", type=int, default=256, help="online: calls held waiting for the benchmark")
     p.add_argument("--tls-path", metavar="DIR", help="online: serve TLS with DIR/server.crt and DIR/server.key")
+    p.add_argument("--nfs-path", metavar="DIR", help="online: watch this shared directory instead of a TCP port")
 
 
 def _run_ut_config(args: argparse.Namespace) -> Any:
@@ -177,7 +178,7 @@ def _run_ut_config(args: argparse.Namespace) -> Any:
     config = load_precheck_config(args.config)
     changes = {k: tuple(v) if isinstance(v, list) else v for k, v in
                {"white_list": args.white_list, "black_list": args.black_list, "host": args.host,
-                "port": args.port, "tls_path": args.tls_path}.items() if v is not None}
+                "port": args.port, "tls_path": args.tls_path, "nfs_path": args.nfs_path}.items() if v is not None}
     return dataclasses.replace(config, **changes)
 
 

@@ -16,6 +16,7 @@ import torch
 import precheck_helpers as helpers
 from msprobe_engine.analysis.precheck.client import CheckerClient
 from msprobe_engine.analysis.precheck.protocol import CASE, HELLO, hello, write_frame
+from msprobe_engine.analysis.precheck.transport import TcpTransport
 from msprobe_engine.cli import main
 from msprobe_engine.frameworks.torch.precheck.online import OnlinePrecheck
 from test_precheck import APIS, read_rows
@@ -126,7 +127,8 @@ def test_full_queue_drops_and_counts_without_blocking():
             release.wait(30)
             return b"x"
 
-        client = CheckerClient("127.0.0.1", listener.getsockname()[1], "torch", slow_encode, queue_size=2)
+        client = CheckerClient(TcpTransport("127.0.0.1", listener.getsockname()[1]), "torch", slow_encode,
+                               queue_size=2)
         accepted = [client.submit(i) for i in range(10)]
         release.set()
         client.close()
@@ -157,3 +159,29 @@ def test_tls_checker(tmp_path):
         serving.join(60)
     assert sender.client.error is None and sender.client.sent == len(APIS)
     assert set(read_rows(server.report.result_path)) == set(APIS)
+
+
+def test_shared_directory_mode(tmp_path):
+    """The predecessor's nfs_path: case files in a directory the checker watches."""
+    from msprobe_engine.analysis.precheck.runner import PrecheckConfig
+    from msprobe_engine.analysis.precheck.server import CheckerServer
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    server = CheckerServer(tmp_path / "out", PrecheckConfig(nfs_path=str(shared)))
+    serving = threading.Thread(target=server.serve)
+    serving.start()
+    helpers.install()
+    try:
+        sender = OnlinePrecheck(nfs_path=shared)
+        one_step(sender)
+        sender.close()
+    finally:
+        helpers.uninstall()
+        server.stop()
+        serving.join(60)
+    assert (sender.client.sent, sender.client.dropped) == (len(APIS), 0)
+    rows = read_rows(server.report.result_path)
+    assert set(rows) == set(APIS) and rows["Functional.gelu.0"][0] == "error"
+    assert all(r[0] == "pass" for name, r in rows.items() if name != "Functional.gelu.0")
+    assert list(shared.iterdir()) == []  # every case file checked and removed, the end marker too

@@ -27,14 +27,16 @@ CONFIG_KEYS = ("white_list", "black_list", "error_data_path", "precision", "is_o
 
 @dataclass(frozen=True)
 class PrecheckConfig:
-    """The predecessor's ``run_ut`` keys we use (``error_data_path``, ``nfs_path``, ``rank_list``
-    are accepted and ignored; ``tls_path`` names a directory with server.crt/server.key)."""
+    """The predecessor's ``run_ut`` keys we use (``error_data_path``, ``rank_list``, ``is_online``
+    are accepted and ignored; ``tls_path`` names a directory with server.crt/server.key,
+    ``nfs_path`` a directory shared by the training and the online checker)."""
     white_list: tuple[str, ...] = ()
     black_list: tuple[str, ...] = ()
     precision: int = 14
     host: str = "127.0.0.1"
     port: int = 0
     tls_path: str | None = None
+    nfs_path: str | None = None
 
 
 def load_precheck_config(path: Path | str | None) -> PrecheckConfig:
@@ -60,7 +62,7 @@ def load_precheck_config(path: Path | str | None) -> PrecheckConfig:
             if not isinstance(value, int) or isinstance(value, bool) or not lowest <= value <= 65535:
                 raise ConfigError(f"{path}: run_ut.{key}: expected an integer from {lowest} to 65535, got {value!r}")
             values[key] = max(value, 0)
-        elif key in ("host", "tls_path") and value:
+        elif key in ("host", "tls_path", "nfs_path") and value:
             values[key] = str(value)
     return PrecheckConfig(**values)
 

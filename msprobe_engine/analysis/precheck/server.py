@@ -17,6 +17,7 @@ import signal
 import socket
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from msprobe_engine.analysis.precheck.protocol import (CASE, END, HELLO, Protoco
                                                        server_tls)
 from msprobe_engine.analysis.precheck.report import PrecheckReport
 from msprobe_engine.analysis.precheck.runner import PrecheckConfig, check_case
+from msprobe_engine.analysis.precheck.transport import CASE_SUFFIX, END_SUFFIX
 from msprobe_engine.registry import load_framework
 
 log = logging.getLogger("msprobe_engine")
@@ -34,7 +36,9 @@ DRAIN_S = 10.0
 
 
 class CheckerServer:
-    """Listens on `config.host:config.port` (port 0: a free one, see `port`); see the module docstring."""
+    """Listens on `config.host:config.port` (port 0: a free one, see `port`), or with
+    `config.nfs_path` watches that directory (`transport.DirectoryTransport`'s files); see the
+    module docstring."""
 
     def __init__(self, out_dir: Path | str, config: PrecheckConfig, *, queue_size: int = 256, device: str = "cpu",
                  resume: bool = False) -> None:
@@ -44,33 +48,40 @@ class CheckerServer:
         self._stopping = threading.Event()
         self._deadline = float("inf")
         self._lock = threading.Lock()  # the counters, from the connection threads
-        self._tls = server_tls(config.tls_path)
-        self._listener = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
-        try:
-            self._listener.bind((config.host, config.port))
-        except OSError as e:
-            self._listener.close()
-            why = "the port is in use (another checker?)" if e.errno == errno.EADDRINUSE else e.strerror
-            raise RuntimeError(f"cannot listen on {config.host}:{config.port}: {why}; choose another --port") from None
-        self._listener.listen()
-        self._listener.settimeout(ACCEPT_POLL_S)  # close() does not wake a blocked accept(): poll instead
-        self.port = self._listener.getsockname()[1]
+        if config.nfs_path:
+            self.directory: Path | None = Path(config.nfs_path)
+            if not self.directory.is_dir():
+                raise RuntimeError(f"nfs_path {self.directory}: no such directory (create it, shared with the "
+                                   f"training nodes)")
+            self.port = None
+            self._feeder = threading.Thread(target=self._watch, name="msprobe-precheck-watch", daemon=True)
+        else:
+            self.directory = None
+            self._tls = server_tls(config.tls_path)
+            self._listener = _listen(config.host, config.port)
+            self.port = self._listener.getsockname()[1]
+            self._feeder = threading.Thread(target=self._accept, name="msprobe-precheck-accept", daemon=True)
         self.report = PrecheckReport(out_dir, resume=resume, precision=config.precision)
-        self._acceptor = threading.Thread(target=self._accept, name="msprobe-precheck-accept", daemon=True)
+
+    @property
+    def where(self) -> str:
+        return f"watching {self.directory}" if self.directory else f"listening on {self.config.host}:{self.port}"
 
     def serve(self) -> None:
         """Check calls until `stop()`; then check what was received and close the report."""
-        self._acceptor.start()
+        self._feeder.start()
         precheck: dict[str, Any] = {}
         while (item := self._queue.get()) is not _STOP:
-            framework, payload = item
+            framework, payload, done = item
             try:
                 fw = precheck.get(framework) or precheck.setdefault(framework, load_framework(framework).precheck())
                 case = fw.decode_case(payload)
             except Exception as e:  # a payload this checker cannot read: reported, the others go on
                 log.error("msprobe run_ut online: cannot decode an API call: %s: %s", type(e).__name__, e)
-                continue
-            self.report.add(check_case(case, fw, self.device, recorded_output=True))
+            else:
+                self.report.add(check_case(case, fw, self.device, recorded_output=True))
+            if done is not None:
+                done()
         self.report.close()
 
     def stop(self) -> None:
@@ -82,7 +93,7 @@ class CheckerServer:
         threading.Thread(target=self._finish, daemon=True).start()
 
     def _finish(self) -> None:
-        self._acceptor.join()
+        self._feeder.join()
         for reader in [t for t in threading.enumerate() if t.name.startswith("msprobe-precheck-conn")]:
             reader.join()
         self._queue.put(_STOP)
@@ -132,7 +143,7 @@ class CheckerServer:
                 elif kind == CASE:
                     if framework is None:
                         raise ProtocolError("a case frame before the hello frame")
-                    self._queue.put((framework, payload))
+                    self._queue.put((framework, payload, None))
                     with self._lock:
                         self.received += 1
                 elif kind == END:
@@ -150,14 +161,64 @@ class CheckerServer:
                         "the checker goes on", peer)
 
 
+    def _watch(self) -> None:
+        """Queue the case files of the directory as they appear (each deleted once checked);
+        after `stop`, one last look."""
+        queued: set[Path] = set()
+        while True:
+            stopping = self._stopping.is_set()
+            for file in sorted(self.directory.glob(f"*{CASE_SUFFIX}")):
+                if file in queued:
+                    continue
+                try:
+                    payload = file.read_bytes()
+                except FileNotFoundError:  # checked and removed since the listing
+                    continue
+                except OSError as e:
+                    log.warning("msprobe run_ut online: cannot read %s: %s", file, e)
+                    continue
+                queued.add(file)
+                with self._lock:
+                    self.received += 1
+                self._queue.put((file.name.split(".", 1)[0], payload, partial(_remove, file, queued)))
+            for end in self.directory.glob(f"*{END_SUFFIX}"):
+                log.info("msprobe run_ut online: sender %s closed", end.stem)
+                _remove(end)
+            if stopping:
+                return
+            time.sleep(ACCEPT_POLL_S)
+
+
+def _remove(file: Path, queued: set[Path] | None = None) -> None:
+    try:
+        file.unlink()
+    except OSError as e:
+        log.warning("msprobe run_ut online: cannot remove %s: %s", file, e)
+    if queued is not None:
+        queued.discard(file)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket whose accept() times out (close() does not wake a blocked accept())."""
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        listener.bind((host, port))
+    except OSError as e:
+        listener.close()
+        why = "the port is in use (another checker?)" if e.errno == errno.EADDRINUSE else e.strerror
+        raise RuntimeError(f"cannot listen on {host}:{port}: {why}; choose another --port") from None
+    listener.listen()
+    listener.settimeout(ACCEPT_POLL_S)
+    return listener
+
+
 def serve(out_dir: Path | str, config: PrecheckConfig, *, queue_size: int = 256, device: str = "cpu",
           resume: bool = False) -> int:
     """The ``run_ut --online`` verb: serve until SIGTERM/SIGINT; prints the address, then the counts."""
     server = CheckerServer(out_dir, config, queue_size=queue_size, device=device, resume=resume)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.stop())
-    print(f"run_ut --online: listening on {config.host}:{server.port}; results: {server.report.result_path}",
-          flush=True)
+    print(f"run_ut --online: {server.where}; results: {server.report.result_path}", flush=True)
     server.serve()
     counts = ", ".join(f"{n} {status}" for status, n in sorted(server.report.counts.items()))
     print(f"run_ut --online: {server.received} call(s) received, {counts or 'none checked'}; "

@@ -4,7 +4,7 @@
 
     from msprobe_engine.frameworks.torch.precheck.online import OnlinePrecheck
 
-    with OnlinePrecheck(port=8765):          # or host=..., config="config.json" (its run_ut section)
+    with OnlinePrecheck(port=8765):          # or host=..., nfs_path=..., config="config.json" (run_ut section)
         train()                              # every API call is copied and queued for the checker
 
 The calls are seen through the same `TorchFunctionMode` as the L1 dump (nothing is patched) and
@@ -28,6 +28,7 @@ import torch
 from msprobe_engine.analysis.precheck.cases import ApiCase, selected
 from msprobe_engine.analysis.precheck.client import CheckerClient
 from msprobe_engine.analysis.precheck.runner import load_precheck_config
+from msprobe_engine.analysis.precheck.transport import DirectoryTransport, TcpTransport
 from msprobe_engine.dump.entry import UNHANDLED, describe
 from msprobe_engine.frameworks.torch.capture.api import ApiCatalog, ApiMode, push_mode, remove_mode
 
@@ -71,17 +72,24 @@ class OnlinePrecheck:
     """Sends the API calls made between `start` and `stop` to the checker at `host:port`."""
 
     def __init__(self, host: str | None = None, port: int | None = None, *, config: str | Path | None = None,
-                 queue_size: int = 64, tls_ca: str | None = None, white_list: tuple[str, ...] | None = None,
-                 black_list: tuple[str, ...] | None = None) -> None:
+                 nfs_path: str | Path | None = None, queue_size: int = 64, tls_ca: str | None = None,
+                 white_list: tuple[str, ...] | None = None, black_list: tuple[str, ...] | None = None) -> None:
+        """The checker at `host:port`, or the directory `nfs_path` it watches; unset ones come from
+        the ``run_ut`` section of `config` (the predecessor's keys)."""
         settings = load_precheck_config(config)
-        self.host, self.port = host or settings.host, port if port is not None else settings.port
-        if not self.port:
-            raise ValueError("online run_ut: give the checker's port (port=..., or run_ut.port in the config)")
+        nfs_path = nfs_path or settings.nfs_path
+        host, port = host or settings.host, port if port is not None else settings.port
+        if nfs_path:
+            transport: TcpTransport | DirectoryTransport = DirectoryTransport(nfs_path)
+        elif port:
+            transport = TcpTransport(host, port, tls_ca)
+        else:
+            raise ValueError("online run_ut: give the checker's port (port=..., or run_ut.port in the config) "
+                             "or its directory (nfs_path=...)")
         self.white_list = settings.white_list if white_list is None else white_list
         self.black_list = settings.black_list if black_list is None else black_list
         rank = int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else None
-        self.client = CheckerClient(self.host, self.port, "torch", encode_case, rank=rank, queue_size=queue_size,
-                                    tls_ca=tls_ca)
+        self.client = CheckerClient(transport, "torch", encode_case, rank=rank, queue_size=queue_size)
         self._catalog = ApiCatalog()
         self._mode = ApiMode(self._call)
         self._counters: dict[str, int] = {}
