@@ -56,6 +56,18 @@ def one_step(sender: OnlinePrecheck | None = None) -> torch.Tensor:
     return loss.detach()
 
 
+def lossy_step(**where: object) -> OnlinePrecheck:
+    """One step with the lossy GELU, its calls sent to the checker `where` says; the closed sender."""
+    helpers.install()
+    try:
+        sender = OnlinePrecheck(**where)
+        one_step(sender)
+        sender.close()
+    finally:
+        helpers.uninstall()
+    return sender
+
+
 @pytest.mark.slow
 def test_online_flags_the_lossy_api_and_survives_a_killed_sender(tmp_path):
     server = subprocess.Popen([sys.executable, "-m", "msprobe_engine", "run_ut", "--online", "--port", "0",
@@ -72,13 +84,7 @@ def test_online_flags_the_lossy_api_and_survives_a_killed_sender(tmp_path):
                                 capture_output=True, text=True)
         assert killed.returncode == -signal.SIGKILL, killed.stderr
 
-        helpers.install()
-        try:
-            sender = OnlinePrecheck(port=port)
-            one_step(sender)
-            sender.close()
-        finally:
-            helpers.uninstall()
+        sender = lossy_step(port=port)
         assert (sender.client.sent, sender.client.dropped) == (len(APIS), 0)
         server.send_signal(signal.SIGTERM)
         out, err = server.communicate(timeout=120)
@@ -171,13 +177,9 @@ def test_shared_directory_mode(tmp_path):
     server = CheckerServer(tmp_path / "out", PrecheckConfig(nfs_path=str(shared)))
     serving = threading.Thread(target=server.serve)
     serving.start()
-    helpers.install()
     try:
-        sender = OnlinePrecheck(nfs_path=shared)
-        one_step(sender)
-        sender.close()
+        sender = lossy_step(nfs_path=shared)
     finally:
-        helpers.uninstall()
         server.stop()
         serving.join(60)
     assert (sender.client.sent, sender.client.dropped) == (len(APIS), 0)
