@@ -191,3 +191,14 @@ def test_predecessor_run_ut_config_section(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=r"run_ut\.white_lst: unknown key"):
         load_precheck_config(tmp_path / "config.json")
+
+
+def test_every_api_of_the_capture_catalog_resolves():
+    """run_ut finds the function of every API name the L1 capture writes (communication ops are
+    skipped by design)."""
+    from msprobe_engine.frameworks.torch.capture.api import ApiCatalog
+    from msprobe_engine.frameworks.torch.precheck.replay import resolve
+
+    infos = [i for i in ApiCatalog().dumped() if i.prefix != "Distributed"]
+    assert len(infos) > 1000
+    assert [i.key for i in infos if not callable(resolve(i.key))] == []
