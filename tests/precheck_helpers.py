@@ -70,3 +70,23 @@ def train_step_dump(dump_path: Path, task: str, seed: int = 0) -> Path:
     debugger.step()
     debugger.close()
     return next(dump_path.glob("step0/*"))
+
+
+def predecessor_dump(dump_path: Path, task: str) -> None:
+    """One training step of `GeluNet` (lossy GELU) under the predecessor's own dump (mindstudio-probe,
+    L1). It patches torch process-wide: run it in a child process."""
+    import json
+
+    from msprobe.pytorch import PrecisionDebugger as PredecessorDebugger
+
+    config = dump_path.parent / "predecessor_config.json"
+    config.write_text(json.dumps({"task": task, "dump_path": str(dump_path), "rank": [], "step": [], "level": "L1"}))
+    install()
+    torch.manual_seed(0)
+    model = GeluNet()
+    x, target = torch.randn(8, 16), torch.randint(0, 8, (8,))
+    debugger = PredecessorDebugger(config_path=str(config))
+    debugger.start(model)
+    model(x, target).backward()
+    debugger.stop()
+    debugger.step()

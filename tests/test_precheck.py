@@ -202,3 +202,20 @@ def test_every_api_of_the_capture_catalog_resolves():
     infos = [i for i in ApiCatalog().dumped() if i.prefix != "Distributed"]
     assert len(infos) > 1000
     assert [i.key for i in infos if not callable(resolve(i.key))] == []
+
+
+@pytest.mark.slow
+def test_dump_of_the_predecessor(tmp_path, lossy_gelu):
+    """A tensor dump written by the real predecessor (its ``step0/proc<pid>/`` layout, its API
+    names): run_ut flags the lossy GELU and nothing else. (Its statistics dumps have the same
+    records; ours are tested above.)"""
+    task = "tensor"
+    code = (f"from pathlib import Path; import precheck_helpers; "
+            f"precheck_helpers.predecessor_dump(Path({str(tmp_path / 'dump')!r}), {task!r})")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=300, env=env)
+    (proc_dir,) = (tmp_path / "dump" / "step0").glob("proc*")
+    rows = read_rows(run_ut(proc_dir, tmp_path / "out")[0].result_path)
+    assert list(rows) == [name.replace("Tensor.mul", "Tensor.__mul__") for name in APIS]
+    assert rows.pop("Functional.gelu.0")[:2] == ["error", "pass"]
+    assert all(r[:2] == ["pass", "pass"] for r in rows.values()), rows
