@@ -168,6 +168,7 @@ def test_every_call_of_a_small_gpt_replays_from_statistics(tmp_path):
     assert any(n.startswith("Tensor.__getitem__") for n in rows)
 
 
+@pytest.mark.slow
 def test_analysis_side_imports_no_framework():
     code = ("import sys\n"
             "from msprobe_engine.analysis.precheck import cases, client, protocol, report, runner, server, standards\n"
@@ -209,9 +210,8 @@ def test_dump_of_the_predecessor(tmp_path, lossy_gelu):
     """A tensor dump written by the real predecessor (its ``step0/proc<pid>/`` layout, its API
     names): run_ut flags the lossy GELU and nothing else. (Its statistics dumps have the same
     records; ours are tested above.)"""
-    task = "tensor"
     code = (f"from pathlib import Path; import precheck_helpers; "
-            f"precheck_helpers.predecessor_dump(Path({str(tmp_path / 'dump')!r}), {task!r})")
+            f"precheck_helpers.predecessor_dump(Path({str(tmp_path / 'dump')!r}), 'tensor')")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=300, env=env)
     (proc_dir,) = (tmp_path / "dump" / "step0").glob("proc*")
