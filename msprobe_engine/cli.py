@@ -195,7 +195,10 @@ def _run_ut_run(args: argparse.Namespace) -> int:
     reports = run_ut(args.input, args.output, device=args.device, config=config, resume=args.resume,
                      progress=args.progress, xlsx=args.xlsx)
     counts = count_statuses(reports)
-    print("run_ut: " + ", ".join(f"{n} {status}" for status, n in sorted(counts.items())))
+    if not counts and not args.resume:
+        print("run_ut: no API calls in this dump (an L0 dump has module entries only: dump at level L1 or mix)")
+    else:
+        print("run_ut: " + (", ".join(f"{n} {status}" for status, n in sorted(counts.items())) or "nothing new"))
     for report in reports:
         print(f"results: {report.result_path}\ndetails: {report.details_path}")
     return 0
