@@ -213,15 +213,14 @@ def _generate_operator_arguments(p: argparse.ArgumentParser) -> None:
 
 def _generate_operator_run(args: argparse.Namespace) -> int:
     from msprobe_engine.analysis.precheck.cases import find_case
-    from msprobe_engine.analysis.precheck.runner import FRAMEWORK_OF_DUMP
+    from msprobe_engine.analysis.precheck.runner import precheck_of
     from msprobe_engine.dump.reader import load_dump
-    from msprobe_engine.registry import load_framework
 
     for dump in load_dump(args.input).values():
         case = find_case(dump, args.api)
         if case is None:
             continue
-        precheck = load_framework(FRAMEWORK_OF_DUMP.get(dump.framework, dump.framework)).precheck()
+        precheck = precheck_of(dump)
         script = Path(args.output)
         script.write_text(precheck.repro_script(case, dump.path, script, args.device), encoding="utf-8")
         print(f"{case.name} of {dump.path}: written to {script}; run: python {script} [device]")

@@ -16,7 +16,7 @@ from msprobe_engine.analysis.precheck.standards import check_output
 from msprobe_engine.analysis.progress import Progress
 from msprobe_engine.config.errors import ConfigError
 from msprobe_engine.config.loader import read_file
-from msprobe_engine.dump.reader import DumpError, load_dump
+from msprobe_engine.dump.reader import DumpError, RankDump, load_dump
 from msprobe_engine.registry import load_framework
 
 #: dump.json's ``framework`` -> the registered framework that replays it
@@ -67,6 +67,15 @@ def load_precheck_config(path: Path | str | None) -> PrecheckConfig:
     return PrecheckConfig(**values)
 
 
+def precheck_of(dump: RankDump) -> Any:
+    """The framework side that replays `dump` (a DumpError for a framework without one)."""
+    name = FRAMEWORK_OF_DUMP.get(dump.framework)
+    if name is None:
+        raise DumpError(f"{dump.dump_json}: framework {dump.framework!r}: run_ut replays "
+                        f"{', '.join(FRAMEWORK_OF_DUMP)} dumps")
+    return load_framework(name).precheck()
+
+
 def check_case(case: ApiCase, precheck: Any, device: str = "cpu", recorded_output: bool = False) -> ApiResult:
     """Replay one case (through the framework's `precheck`) and judge every output and gradient.
     A case that cannot be replayed is ``SKIP`` with the reason; a broken dump file raises."""
@@ -97,11 +106,7 @@ def run_ut(dump_path: Path | str, out_dir: Path | str, *, device: str = "cpu", c
     dumps = load_dump(dump_path)
     reports = []
     for (step, rank), dump in dumps.items():
-        name = FRAMEWORK_OF_DUMP.get(dump.framework)
-        if name is None:
-            raise DumpError(f"{dump.dump_json}: framework {dump.framework!r}: run_ut replays "
-                            f"{', '.join(FRAMEWORK_OF_DUMP)} dumps")
-        precheck = load_framework(name).precheck()
+        precheck = precheck_of(dump)
         target = Path(out_dir)
         if len(dumps) > 1:
             target = target / f"step{'' if step is None else step}" / f"rank{'' if rank is None else rank}"
