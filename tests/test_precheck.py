@@ -219,3 +219,23 @@ def test_dump_of_the_predecessor(tmp_path, lossy_gelu):
     assert list(rows) == [name.replace("Tensor.mul", "Tensor.__mul__") for name in APIS]
     assert rows.pop("Functional.gelu.0")[:2] == ["error", "pass"]
     assert all(r[:2] == ["pass", "pass"] for r in rows.values()), rows
+
+
+@pytest.mark.slow
+def test_details_read_by_the_predecessors_api_precision_compare(tmp_path, lossy_gelu):
+    """Our details CSVs feed the predecessor's own NPU-vs-GPU tool: the lossy run as its "NPU"
+    side, a run with the real GELU as its "GPU" side. It reads every row and flags GELU only."""
+    rank_dir = helpers.train_step_dump(tmp_path / "dump", "tensor")
+    lossy = run_ut(rank_dir, tmp_path / "lossy")[0].details_path
+    helpers.uninstall()
+    exact = run_ut(rank_dir, tmp_path / "exact")[0].details_path
+    msprobe = Path(sys.executable).with_name("msprobe")
+    subprocess.run([str(msprobe), "api_precision_compare", "-npu", str(lossy), "-gpu", str(exact),
+                    "-o", str(tmp_path / "apc")], check=True, capture_output=True, timeout=300,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    with open(next((tmp_path / "apc").glob("api_precision_compare_result_*.csv")), newline="",
+              encoding="utf-8-sig") as f:
+        rows = {row[0]: row[1:3] for row in list(csv.reader(f))[1:]}
+    assert list(rows) == APIS
+    assert rows.pop("Functional.gelu.0")[0] == "error"
+    assert all(r == ["pass", "pass"] for r in rows.values()), rows
