@@ -239,3 +239,16 @@ def test_details_read_by_the_predecessors_api_precision_compare(tmp_path, lossy_
     assert list(rows) == APIS
     assert rows.pop("Functional.gelu.0")[0] == "error"
     assert all(r == ["pass", "pass"] for r in rows.values()), rows
+
+
+def test_one_report_per_rank_and_a_progress_line(tmp_path, capsys):
+    import shutil
+
+    rank_dir = helpers.train_step_dump(tmp_path / "single", "statistics")
+    for rank in (0, 1):
+        shutil.copytree(rank_dir, tmp_path / "dump" / "step0" / f"rank{rank}")
+    assert main(["run_ut", "-i", str(tmp_path / "dump"), "-o", str(tmp_path / "out"), "--progress"]) == 0
+    for rank in (0, 1):
+        (result,) = (tmp_path / "out" / "step0" / f"rank{rank}").glob("accuracy_checking_result_*.csv")
+        assert list(read_rows(result)) == APIS
+    assert f"{len(APIS)}/{len(APIS)}" in capsys.readouterr().err
