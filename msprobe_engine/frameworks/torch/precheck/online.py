@@ -12,14 +12,20 @@ named like its entries (``Functional.gelu.0``). On the training thread a call co
 ``detach().clone()`` of its tensors; moving them to the host, encoding and sending happen on the
 sender thread (`analysis.precheck.client.CheckerClient`), whose bounded queue drops and counts
 when the checker falls behind. Calls that cannot be checked (in-place, random, communication,
-creation ops) are not sent. The forward is checked (the training's own output against the
-float64 benchmark); backward is checked offline only.
+creation ops) are not sent. The forward is checked with the training's own output against the
+float64 benchmark. With `backward` (default), a call whose outputs need gradients is sent when
+their gradients arrive (a hook on each output), and the checker compares the input gradients of
+the original dtype (run on its `--device`) with float64 ones; calls still waiting are sent at
+the next `start` or at `close` (forward only when no gradient came), at most `max_waiting` at
+a time (beyond that, forward only at once).
 """
 from __future__ import annotations
 
 import io
 import logging
 import os
+import threading
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +42,8 @@ log = logging.getLogger("msprobe_engine")
 
 
 def _leaf(value: Any, name: str) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+    if isinstance(value, torch.Tensor):  # a copy that says whether the original required grad
+        return value.detach().clone().requires_grad_(value.requires_grad)
     if isinstance(value, torch.Size):
         return {"type": "torch.Size", "value": list(value)}
     if isinstance(value, (torch.dtype, torch.device)):
@@ -56,16 +62,44 @@ def _to_host(value: Any) -> Any:
 
 
 def encode_case(case: ApiCase) -> bytes:
-    """One call as bytes (``torch.save`` of its name and entry, tensors on the host)."""
+    """One call as bytes (``torch.save`` of its name and entries, tensors on the host)."""
     buffer = io.BytesIO()
-    torch.save({"name": case.name, "api": case.api, "forward": _to_host(case.forward)}, buffer)
+    torch.save({"name": case.name, "api": case.api, "forward": _to_host(case.forward),
+                "backward": _to_host(case.backward)}, buffer)
     return buffer.getvalue()
 
 
 def decode_case(payload: bytes) -> ApiCase:
     """The call `encode_case` wrote (read with ``weights_only=True``: tensors and plain values only)."""
     doc = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
-    return ApiCase(doc["name"], doc["api"], doc["forward"])
+    return ApiCase(doc["name"], doc["api"], doc["forward"], doc.get("backward"))
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+class _AwaitingGrads:
+    """A call sent once the gradients of its differentiable outputs have arrived (`grads` in
+    the order of those outputs); the copies of the outputs give the zeros of unused ones."""
+
+    def __init__(self, case: ApiCase, copies: list[torch.Tensor]) -> None:
+        self.case, self.copies = case, copies
+        self.grads: list[torch.Tensor | None] = [None] * len(copies)
+
+    def complete(self) -> ApiCase:
+        """The case with the gradients that arrived (zeros for the others); forward only if none did."""
+        if any(g is not None for g in self.grads):
+            grads = [g if g is not None else torch.zeros_like(c, requires_grad=False)
+                     for g, c in zip(self.grads, self.copies)]
+            self.case.backward = {"input": grads}
+        return self.case
 
 
 class OnlinePrecheck:
@@ -73,7 +107,8 @@ class OnlinePrecheck:
 
     def __init__(self, host: str | None = None, port: int | None = None, *, config: str | Path | None = None,
                  nfs_path: str | Path | None = None, queue_size: int = 64, tls_ca: str | None = None,
-                 white_list: tuple[str, ...] | None = None, black_list: tuple[str, ...] | None = None) -> None:
+                 white_list: tuple[str, ...] | None = None, black_list: tuple[str, ...] | None = None,
+                 backward: bool = True, max_waiting: int = 1024) -> None:
         """The checker at `host:port`, or the directory `nfs_path` it watches; unset ones come from
         the ``run_ut`` section of `config` (the predecessor's keys)."""
         settings = load_precheck_config(config)
@@ -95,8 +130,12 @@ class OnlinePrecheck:
         self._counters: dict[str, int] = {}
         self._active = False
         self.errors = 0
+        self.backward, self.max_waiting = backward, max_waiting
+        self._waiting: dict[int, _AwaitingGrads] = {}
+        self._lock = threading.Lock()  # `_waiting`: gradient hooks may run on autograd's threads
 
     def start(self) -> "OnlinePrecheck":
+        self._send_waiting()
         if not self._active:
             self._active = True
             push_mode(self._mode)
@@ -110,6 +149,7 @@ class OnlinePrecheck:
     def close(self, timeout: float = 60.0) -> None:
         """Stop, send what is queued and close the connection."""
         self.stop()
+        self._send_waiting()
         self.client.close(timeout)
 
     def __enter__(self) -> "OnlinePrecheck":
@@ -147,4 +187,34 @@ class OnlinePrecheck:
         entry = {"input_args": describe(list(args), f"{name}.forward.input", _leaf),
                  "input_kwargs": describe(dict(kwargs), f"{name}.forward.input", _leaf),
                  "output": describe(out, f"{name}.forward.output", _leaf)}
-        self.client.submit(ApiCase(name, info.key, entry))
+        case = ApiCase(name, info.key, entry)
+        outputs = [t for t in _tensors(out) if t.requires_grad] if self.backward and torch.is_grad_enabled() else []
+        with self._lock:
+            wait = bool(outputs) and len(self._waiting) < self.max_waiting
+            if wait:
+                copies = [t for t in _tensors(entry["output"]) if t.requires_grad]
+                self._waiting[id(case)] = _AwaitingGrads(case, copies)
+        if not wait:
+            self.client.submit(case)
+            return
+        for i, t in enumerate(outputs):
+            t.register_hook(partial(self._on_grad, id(case), i))
+
+    def _on_grad(self, key: int, index: int, grad: torch.Tensor) -> None:
+        """A gradient hook: keep a copy; the call goes once every output's gradient is in."""
+        with self._lock:
+            waiting = self._waiting.get(key)
+            if waiting is None:
+                return
+            waiting.grads[index] = grad.detach().clone()
+            done = all(g is not None for g in waiting.grads)
+            if done:
+                del self._waiting[key]
+        if done:
+            self.client.submit(waiting.complete())
+
+    def _send_waiting(self) -> None:
+        with self._lock:
+            waiting, self._waiting = list(self._waiting.values()), {}
+        for call in waiting:
+            self.client.submit(call.complete())

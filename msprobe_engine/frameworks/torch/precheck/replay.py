@@ -125,28 +125,28 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 def replay(case: ApiCase, device: str = "cpu", recorded_output: bool = False) -> Replayed:
     """Replay `case` on `device` (original dtypes) and on CPU float64. With `recorded_output` the
-    device side is not run: the output the case carries (online: the training's own) is compared."""
+    forward compares the output the case carries (online: the training's own); the device side
+    then runs only for the backward (the training's per-call input gradients are not observable)."""
     func = resolve(case.api)
     values = Arguments(f"{case.name}.forward", case.source, case_generator(case.name))
     inputs = (case.forward.get("input_args", []), case.forward.get("input_kwargs", {}))
     args, kwargs = values.value(inputs[0], "input_args"), values.value(inputs[1], "input_kwargs")
     if case.target in INDEXING and len(args) > 1 and isinstance(args[1], list):
         args[1] = tuple(args[1])  # the dump writes tuples as lists; an index tuple is not a list index
-    backward = None if case.inplace or recorded_output else case.backward
-    want_grad = [bool(r.get("requires_grad")) for r in _records(inputs)] if backward is not None else []
+    backward = None if case.inplace else case.backward
+    want_grad = _wants_grad(inputs) if backward is not None else []
     result = Replayed()
     with torch.no_grad() if backward is None else torch.enable_grad():
         bench = _Run(func, *_map((args, kwargs), _to_bench, bench=True), want_grad, case.inplace)
-        if recorded_output:
-            device_out: Any = values.value(case.forward.get("output"), "output")
-        else:
+        dev = None
+        if not recorded_output or backward is not None:
             dev_args, dev_kwargs = _map((args, kwargs), lambda t: t.detach().to(device, copy=True))
             dev = _Run(func, dev_args, dev_kwargs, want_grad, case.inplace)
-            device_out = dev.output
+    device_out = values.value(case.forward.get("output"), "output") if recorded_output else dev.output
     result.forward = _pairs(_leaves(bench.output), _leaves(device_out))
     if case.backward is not None and case.inplace:
         result.backward_skip = "in-place op: its backward is not replayed"
-    if backward is None:
+    if backward is None or dev is None:
         return result
     grad_values = Arguments(f"{case.name}.backward", case.source, case_generator(case.name + ".backward"))
     grad_outputs = _tensors(grad_values.value(backward.get("input", []), "input"))
@@ -157,12 +157,15 @@ def replay(case: ApiCase, device: str = "cpu", recorded_output: bool = False) ->
     return result
 
 
-def _records(item: Any) -> list[dict]:
-    """The tensor records of recorded arguments, in the order `_tensors` finds their tensors."""
+def _wants_grad(item: Any) -> list[bool]:
+    """Per tensor of recorded arguments (records or inline tensors), in the order `_tensors`
+    finds them: whether it required grad in the training."""
+    if isinstance(item, torch.Tensor):
+        return [item.requires_grad]
     if isinstance(item, (list, tuple)):
-        return [r for sub in item for r in _records(sub)]
+        return [w for sub in item for w in _wants_grad(sub)]
     if is_tensor_record(item):
-        return [item]
+        return [bool(item.get("requires_grad"))]
     if isinstance(item, dict) and "type" not in item:
-        return [r for sub in item.values() for r in _records(sub)]
+        return [w for sub in item.values() for w in _wants_grad(sub)]
     return []
