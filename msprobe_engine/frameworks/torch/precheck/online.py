@@ -37,6 +37,7 @@ from msprobe_engine.analysis.precheck.runner import load_precheck_config
 from msprobe_engine.analysis.precheck.transport import DirectoryTransport, TcpTransport
 from msprobe_engine.dump.entry import UNHANDLED, describe
 from msprobe_engine.frameworks.torch.capture.api import ApiCatalog, ApiMode, push_mode, remove_mode
+from msprobe_engine.frameworks.torch.precheck.replay import tensors_of
 
 log = logging.getLogger("msprobe_engine")
 
@@ -73,16 +74,6 @@ def decode_case(payload: bytes) -> ApiCase:
     """The call `encode_case` wrote (read with ``weights_only=True``: tensors and plain values only)."""
     doc = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
     return ApiCase(doc["name"], doc["api"], doc["forward"], doc.get("backward"))
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
 
 
 class _AwaitingGrads:
@@ -188,11 +179,11 @@ class OnlinePrecheck:
                  "input_kwargs": describe(dict(kwargs), f"{name}.forward.input", _leaf),
                  "output": describe(out, f"{name}.forward.output", _leaf)}
         case = ApiCase(name, info.key, entry)
-        outputs = [t for t in _tensors(out) if t.requires_grad] if self.backward and torch.is_grad_enabled() else []
+        outputs = [t for t in tensors_of(out) if t.requires_grad] if self.backward and torch.is_grad_enabled() else []
         with self._lock:
             wait = bool(outputs) and len(self._waiting) < self.max_waiting
             if wait:
-                copies = [t for t in _tensors(entry["output"]) if t.requires_grad]
+                copies = [t for t in tensors_of(entry["output"]) if t.requires_grad]
                 self._waiting[id(case)] = _AwaitingGrads(case, copies)
         if not wait:
             self.client.submit(case)

@@ -102,7 +102,7 @@ class _Run:
     """One side of the replay: arguments on a device/dtype, the forward call, its gradients."""
 
     def __init__(self, func: Callable, args: list, kwargs: dict, want_grad: list[bool], inplace: bool = False) -> None:
-        self.leaves = [t for t, wanted in zip(_tensors((args, kwargs)), want_grad)
+        self.leaves = [t for t, wanted in zip(tensors_of((args, kwargs)), want_grad)
                        if wanted and t.is_floating_point() and t.is_leaf]
         for t in self.leaves:
             t.requires_grad_(True)
@@ -111,15 +111,17 @@ class _Run:
             self.output = args[0]
 
     def grads(self, grad_outputs: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        outs = [o for o in _leaves(self.output) if isinstance(o, torch.Tensor) and o.requires_grad]
+        outs = [o for o in tensors_of(self.output) if o.requires_grad]
         if len(outs) != len(grad_outputs):
-            raise ValueError(f"{len(grad_outputs)} output gradient(s) recorded for {len(outs)} differentiable output(s)")
+            raise ValueError(f"{len(grad_outputs)} output gradient(s) recorded for {len(outs)} "
+                             f"differentiable output(s)")
         grads = torch.autograd.grad(outs, self.leaves, [g.to(o.device, o.dtype) for o, g in zip(outs, grad_outputs)],
                                     allow_unused=True)
         return list(grads)
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
+def tensors_of(value: Any) -> list[torch.Tensor]:
+    """The tensors of a (nested) value, in order."""
     return [leaf for leaf in _leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
@@ -149,7 +151,7 @@ def replay(case: ApiCase, device: str = "cpu", recorded_output: bool = False) ->
     if backward is None or dev is None:
         return result
     grad_values = Arguments(f"{case.name}.backward", case.source, case_generator(case.name + ".backward"))
-    grad_outputs = _tensors(grad_values.value(backward.get("input", []), "input"))
+    grad_outputs = tensors_of(grad_values.value(backward.get("input", []), "input"))
     try:
         result.backward = _pairs(bench.grads(grad_outputs), dev.grads(grad_outputs))
     except (RuntimeError, ValueError) as e:
@@ -158,7 +160,7 @@ def replay(case: ApiCase, device: str = "cpu", recorded_output: bool = False) ->
 
 
 def _wants_grad(item: Any) -> list[bool]:
-    """Per tensor of recorded arguments (records or inline tensors), in the order `_tensors`
+    """Per tensor of recorded arguments (records or inline tensors), in the order `tensors_of`
     finds them: whether it required grad in the training."""
     if isinstance(item, torch.Tensor):
         return [item.requires_grad]
