@@ -22,7 +22,7 @@ test-fast: $(VENV)/.all
 
 bench: $(VENV)/.all
 	$(PY) bench/overhead.py
-	@for b in bench/dump.py bench/compare.py bench/deepspeed_overhead.py bench/megatron_overhead.py bench/mindspore_overhead.py; do \
+	@for b in bench/dump.py bench/compare.py bench/deepspeed_overhead.py bench/megatron_overhead.py bench/mindspore_overhead.py bench/precheck.py; do \
 		if [ -f $$b ]; then echo "== $$b"; $(PY) $$b || exit 1; fi; done
 
 install: $(VENV)/.core

@@ -219,6 +219,89 @@ def _free_benchmark_run(args: argparse.Namespace) -> int:
     if args.json:
         _write_json([f.as_dict() for f in failures], args.json)
     return 0
+# ------------------------------------------------------------------ run_ut / generate_operator (API pre-check)
+
+def _names(text: str) -> list[str]:
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
+def _run_ut_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-i", "--input", metavar="DUMP",
+                   help="offline: a tensor or statistics dump (rank dir or dump root with step*/rank*/)")
+    p.add_argument("-o", "--output", metavar="DIR", default=".",
+                   help="directory of accuracy_checking_result_<time>.csv and _details_ (default: .)")
+    p.add_argument("--config", metavar="FILE", help="config.json/.yaml with the predecessor's run_ut section")
+    p.add_argument("--white-list", type=_names, metavar="APIS", help="only these APIs (comma-separated: gelu,linear)")
+    p.add_argument("--black-list", type=_names, metavar="APIS", help="not these APIs (comma-separated)")
+    p.add_argument("--device", default="cpu", help="device of the original-dtype run (default cpu; e.g. cuda)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the newest result CSV in -o: APIs already there are skipped")
+    p.add_argument("--xlsx", action="store_true", help="also write both tables as one .xlsx next to the CSVs")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress line on stderr (default: only on a terminal)")
+    p.add_argument("--online", action="store_true",
+                   help="online: run the checker server; training processes send their API calls to it")
+    p.add_argument("--host", help="online: address to listen on (default 127.0.0.1, or run_ut.host)")
+    p.add_argument("--port", type=int, help="online: TCP port (default run_ut.port; 0 picks a free one)")
+    p.add_argument("--queue-size", type=int, default=256, help="online: calls held waiting for the benchmark")
+    p.add_argument("--tls-path", metavar="DIR", help="online: serve TLS with DIR/server.crt and DIR/server.key")
+    p.add_argument("--nfs-path", metavar="DIR", help="online: watch this shared directory instead of a TCP port")
+
+
+def _run_ut_config(args: argparse.Namespace) -> Any:
+    from msprobe_engine.analysis.precheck.runner import load_precheck_config
+
+    config = load_precheck_config(args.config)
+    changes = {k: tuple(v) if isinstance(v, list) else v for k, v in
+               {"white_list": args.white_list, "black_list": args.black_list, "host": args.host,
+                "port": args.port, "tls_path": args.tls_path, "nfs_path": args.nfs_path}.items() if v is not None}
+    return dataclasses.replace(config, **changes)
+
+
+def _run_ut_run(args: argparse.Namespace) -> int:
+    from msprobe_engine.analysis.precheck.runner import count_statuses, run_ut
+
+    config = _run_ut_config(args)
+    if args.online:
+        from msprobe_engine.analysis.precheck.server import serve
+
+        return serve(args.output, config, queue_size=args.queue_size, device=args.device, resume=args.resume)
+    if not args.input:
+        raise ValueError("run_ut: give a dump with -i (or --online to run the checker server)")
+    reports = run_ut(args.input, args.output, device=args.device, config=config, resume=args.resume,
+                     progress=args.progress, xlsx=args.xlsx)
+    counts = count_statuses(reports)
+    if not counts and not args.resume:
+        print("run_ut: no API calls in this dump (an L0 dump has module entries only: dump at level L1 or mix)")
+    else:
+        print("run_ut: " + (", ".join(f"{n} {status}" for status, n in sorted(counts.items())) or "nothing new"))
+    for report in reports:
+        print(f"results: {report.result_path}\ndetails: {report.details_path}")
+    return 0
+
+
+def _generate_operator_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-i", "--input", metavar="DUMP", required=True, help="the dump (rank dir or dump root)")
+    p.add_argument("--api", required=True, help="the call: Functional.gelu.0.forward (or Functional.gelu.0)")
+    p.add_argument("-o", "--output", metavar="PY", default="repro.py", help="the script to write (default repro.py)")
+    p.add_argument("--device", default="cpu", help="the script's default device (it takes one as argument too)")
+
+
+def _generate_operator_run(args: argparse.Namespace) -> int:
+    from msprobe_engine.analysis.precheck.cases import find_case
+    from msprobe_engine.analysis.precheck.runner import precheck_of
+    from msprobe_engine.dump.reader import load_dump
+
+    for dump in load_dump(args.input).values():
+        case = find_case(dump, args.api)
+        if case is None:
+            continue
+        precheck = precheck_of(dump)
+        script = Path(args.output)
+        script.write_text(precheck.repro_script(case, dump.path, script, args.device), encoding="utf-8")
+        print(f"{case.name} of {dump.path}: written to {script}; run: python {script} [device]")
+        return 0
+    raise ValueError(f"{args.input}: no API call {args.api!r} in this dump")
 
 
 VERBS: dict[str, Verb] = {
@@ -234,6 +317,10 @@ VERBS: dict[str, Verb] = {
                        _grad_probe_arguments, _grad_probe_run),
     "free-benchmark": Verb("the APIs a free_benchmark run found unstable, worst first",
                            _free_benchmark_arguments, _free_benchmark_run),
+    "run_ut": Verb("API accuracy pre-check: replay every API call of a dump (or, --online, of a running "
+                   "training) against a CPU float64 benchmark", _run_ut_arguments, _run_ut_run),
+    "generate_operator": Verb("write a script that reproduces one API call of a dump",
+                              _generate_operator_arguments, _generate_operator_run),
 }
 
 

@@ -35,6 +35,11 @@ class TorchFramework:
     def numpy_copier(self, buffer: np.ndarray) -> Callable[[int, Any], None]:
         return tensor_files.numpy_copier(buffer)
 
+    def precheck(self) -> Any:
+        """The API pre-check's torch side (`msprobe_engine.frameworks.torch.precheck.api`)."""
+        from msprobe_engine.frameworks.torch.precheck import api
+        return api
+
     def dump_session(self) -> type:
         from msprobe_engine.frameworks.torch.capture.session import PrecisionDebugger
         return PrecisionDebugger
