@@ -104,9 +104,10 @@ class Monitor(StepLifecycle):
             writes = self.rank == 0 or self.config.per_rank
         writes = writes and bool(self.config.sinks)
         #: <output_dir>/<run name>/ and this rank's directory in it (`run_dir`)
-        self.run = open_run_dir(self.config.output_dir, self.config.run_name, self.config.resume, self.rank, writes)
+        self.run = open_run_dir(self.config.output_dir, self.config.run_name, self.config.resume, self.rank, writes,
+                                self.config.incidents.dir)
         self.run_dir = self.run.rank_dir
-        self._sinks = create_sinks(self.config.sinks, self.run_dir) if writes else []
+        self._sinks = create_sinks(self.config.sinks, self.run_dir, self.run.incidents) if writes else []
         self._health = HealthMeter([rule.name for rule in self._rules])
         self.writer = BackgroundWriter(self.config.writer.queue_size, self.config.writer.when_full,
                                        strict=self.config.strict)
@@ -115,7 +116,7 @@ class Monitor(StepLifecycle):
         self.incidents = IncidentRecorder(IncidentContext(
             self.config, self.rank, "pytorch", self.writer, self._rules, self.history, self._metrics, self.warn,
         )) if self.config.incidents.enabled else None
-        if self.incidents is not None and not self.config.incidents.dir:
+        if self.incidents is not None:
             self.incidents.root = self.run.incidents
         #: filled by the module hooks when incidents are on (what each call read)
         self.graph = CallGraph() if self.incidents is not None else None

@@ -32,15 +32,11 @@ class RunDir:
     root: Path  # <output_dir>/<run name>
     rank_dir: Path  # root/rank<R>: the sinks' files and the saved monitor state
     resumed: bool  # the rank directory held an earlier part of this run
+    incidents: Path  # the configured `incidents.dir`, by default root/incidents
 
     @property
     def name(self) -> str:
         return self.root.name
-
-    @property
-    def incidents(self) -> Path:
-        """The default incidents directory of the run."""
-        return self.root / "incidents"
 
     def saved_state(self) -> dict[str, Any] | None:
         """The monitor state saved by the run's previous part (None when there is none)."""
@@ -60,9 +56,11 @@ class RunDir:
         partial.replace(file)
 
 
-def open_run_dir(output_dir: str, run_name: str, resume: bool, rank: int, writes: bool) -> RunDir:
+def open_run_dir(output_dir: str, run_name: str, resume: bool, rank: int, writes: bool,
+                 incidents_dir: str = "") -> RunDir:
     """The run directory of this rank; a rank that `writes` gets its directory created and
-    checked (refused when it holds files and `resume` is false)."""
+    checked (refused when it holds files and `resume` is false). `incidents_dir`: the
+    configured incidents directory (empty: the run's own ``incidents/``)."""
     base = Path(output_dir)
     given = run_name or os.environ.get(RUN_NAME_ENV, "")
     if given:
@@ -79,7 +77,7 @@ def open_run_dir(output_dir: str, run_name: str, resume: bool, rank: int, writes
             raise ConfigError(f"run_name: {rank_dir} already holds a run ({', '.join(_some_files(rank_dir))}); "
                               "choose another run_name, or set resume: true to continue that run")
         _prepare(rank_dir)
-    return RunDir(root, rank_dir, resumed=resume and holds_data)
+    return RunDir(root, rank_dir, resume and holds_data, Path(incidents_dir) if incidents_dir else root / "incidents")
 
 
 def _check_name(name: str) -> None:
