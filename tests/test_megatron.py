@@ -18,6 +18,7 @@ from typing import Iterator
 import pytest
 
 from tests.multiproc import run_ranks
+from tests.sink_helpers import EVERY_TAG_TENSORBOARD
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +33,7 @@ FULL_WATCH = {"activation_grads": True, "params": True,
 # ---- what runs in the ranks -------------------------------------------------------------------
 
 def _config(out: str, name: str, **extra) -> dict:
-    return {"output_dir": str(Path(out) / name), "strict": True, "sinks": ["jsonl", "tensorboard"], "stats": STATS,
+    return {"output_dir": str(Path(out) / name), "strict": True, "sinks": ["jsonl", EVERY_TAG_TENSORBOARD], "stats": STATS,
             "watch": FULL_WATCH, **extra}
 
 
