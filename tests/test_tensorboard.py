@@ -17,10 +17,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from msprobe_engine.config import ConfigError, load_config
 
 from msprobe_engine.run_dir import RUN_NAME_ENV
 from msprobe_engine.sinks.heatmap import MISSING_RGB, NAN_RGB, POS_INF_RGB, heatmap_rgb, png
 from msprobe_engine.sinks.tb_layout import build_layout, layer_pattern
+from msprobe_integrations.torch import TorchMonitor
 from tests.multiproc import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,6 +73,30 @@ def test_heatmap_marks_non_finite_and_missing_cells_and_is_a_valid_png():
     brightness = rgb.astype(int).sum(axis=2)
     assert brightness[2, 0] < brightness[0, 0] < brightness[0, 1] < brightness[0, 2] <= brightness[2, 2]
     assert np.array_equal(decode_png(png(rgb)), rgb)
+
+
+def test_histograms_of_the_layer_norms_on_request_and_bad_keys_named(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sink = {"name": "tensorboard", "histograms": True, "heatmap_every": 2}
+    monitor = TorchMonitor(model, optimizer, {"output_dir": str(tmp_path), "run_name": "h", "sinks": [sink]})
+    for _ in range(3):
+        model(torch.randn(5, 4)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        monitor.step_end()
+    monitor.close()
+    events = EventAccumulator(str(tmp_path / "h" / "rank0"), size_guidance={"histograms": 0, "tensors": 0}).Reload()
+    assert set(events.Tags()["histograms"]) == {"hist/actv_log10_norm", "hist/grad_log10_norm"}
+    grads = events.Histograms("hist/grad_log10_norm")
+    assert [h.step for h in grads] == [0, 1, 2] and all(h.histogram_value.num == 4 for h in grads)  # 4 parameters
+    heatmaps = events.Tensors("Health/heatmap/grad_norm")
+    assert [t.step for t in heatmaps] == [1, 2]  # every 2 monitored steps, and the last one at close
+    with pytest.raises(ConfigError, match=r"sinks\[0\]\.heatmap_every"):
+        load_config({"sinks": [{"name": "tensorboard", "heatmap_every": -1}]})
+    with pytest.raises(ConfigError, match=r"sinks\[0\]\.layer_kinds"):
+        load_config({"sinks": [{"name": "tensorboard", "layer_kinds": ["train"]}]})
 
 
 # ---- the demo, served ---------------------------------------------------------------------------
