@@ -4,7 +4,7 @@ The run name is `run_name` from the config, else ``$MSPROBE_RUN_NAME``, else a t
 (``20261201-091500``). A multi-process job needs one name on every rank: without a given
 name its ranks take the start time of the process that launched them (torchrun, the
 DeepSpeed launcher, ``mp.spawn``: the same parent on one node); on several nodes, give
-`run_name`. A rank directory that already holds files is refused (`ConfigError`) unless
+`run_name`. A rank directory that already holds a run (steps recorded) is refused (`ConfigError`) unless
 `resume: true`, which continues the run: the monitor state saved there at `close` is
 loaded (`Monitor.load_state_dict`), so its steps go on where they stopped. `resume: true`
 without a name continues the most recent run of `output_dir`. The name ``.`` writes
@@ -23,6 +23,7 @@ from msprobe_engine.config.errors import ConfigError
 
 RUN_NAME_ENV = "MSPROBE_RUN_NAME"
 STATE_FILE = "monitor_state.json"
+EVENT_FILE_PREFIX = "events.out.tfevents."
 TIME_FORMAT = "%Y%m%d-%H%M%S"
 
 
@@ -59,7 +60,7 @@ class RunDir:
 def open_run_dir(output_dir: str, run_name: str, resume: bool, rank: int, writes: bool,
                  incidents_dir: str = "") -> RunDir:
     """The run directory of this rank; a rank that `writes` gets its directory created and
-    checked (refused when it holds files and `resume` is false). `incidents_dir`: the
+    checked (refused when it holds a run and `resume` is false). `incidents_dir`: the
     configured incidents directory (empty: the run's own ``incidents/``)."""
     base = Path(output_dir)
     given = run_name or os.environ.get(RUN_NAME_ENV, "")
@@ -71,13 +72,43 @@ def open_run_dir(output_dir: str, run_name: str, resume: bool, rank: int, writes
     else:
         root = base / _timestamp_name(base, rank)
     rank_dir = root / f"rank{rank}"
-    holds_data = rank_dir.is_dir() and any(rank_dir.iterdir())
+    holds_data = rank_dir.is_dir() and _holds_run(rank_dir)
     if writes:
         if holds_data and not resume:
             raise ConfigError(f"run_name: {rank_dir} already holds a run ({', '.join(_some_files(rank_dir))}); "
                               "choose another run_name, or set resume: true to continue that run")
         _prepare(rank_dir)
     return RunDir(root, rank_dir, resume and holds_data, Path(incidents_dir) if incidents_dir else root / "incidents")
+
+
+def _holds_run(rank_dir: Path) -> bool:
+    """Whether a monitor recorded steps here: its saved state says so, or (after a crash) a
+    file holds more than what a monitor without steps leaves (empty files, an event file
+    with only its version record)."""
+    state = rank_dir / STATE_FILE
+    if state.is_file():
+        try:
+            return int(json.loads(state.read_text(encoding="utf-8")).get("records_written", 1)) > 0
+        except (OSError, ValueError, AttributeError, TypeError):
+            return True
+    for file in rank_dir.iterdir():
+        if file.name.startswith(EVENT_FILE_PREFIX) and file.is_file():
+            if _records_beyond_the_first(file):
+                return True
+        elif not file.is_file() or file.stat().st_size > 0:
+            return True
+    return False
+
+
+def _records_beyond_the_first(event_file: Path) -> bool:
+    """A TFRecord file (u64 length, u32 crc, data, u32 crc per record) longer than one record."""
+    with open(event_file, "rb") as f:
+        header = f.read(8)
+        if len(header) < 8:
+            return False
+        first = 8 + 4 + int.from_bytes(header, "little") + 4
+        f.seek(0, os.SEEK_END)
+        return f.tell() > first
 
 
 def _check_name(name: str) -> None:

@@ -53,6 +53,25 @@ def test_a_named_run_that_holds_data_is_refused_unless_resumed(tmp_path):
     assert steps_of(first.run_dir) == [0, 1, 2, 3, 4]
 
 
+def test_a_directory_of_monitors_that_recorded_nothing_is_not_a_run(tmp_path):
+    config = {"output_dir": str(tmp_path), "run_name": "empty"}
+    Monitor(config).close()  # files created, no step recorded
+    monitor = run(config, [1.0])
+    assert steps_of(monitor.run_dir) == [0]
+    crashed = tmp_path / "crashed" / "rank0"
+    crashed.mkdir(parents=True)
+    (crashed / "metrics.jsonl").write_text('{"step": 0}\n')
+    with pytest.raises(ConfigError, match="crashed/rank0 already holds a run"):
+        Monitor({"output_dir": str(tmp_path), "run_name": "crashed"})
+    events_only = {"output_dir": str(tmp_path), "run_name": "tb", "sinks": ["tensorboard"]}
+    Monitor(events_only).close()
+    (tmp_path / "tb" / "rank0" / "monitor_state.json").unlink()  # as after a crash: the event file decides
+    tb = run(events_only, [1.0])
+    (tb.run_dir / "monitor_state.json").unlink()
+    with pytest.raises(ConfigError, match="tb/rank0 already holds a run"):
+        Monitor(events_only)
+
+
 def test_resume_without_a_name_continues_the_latest_run(tmp_path):
     run({"output_dir": str(tmp_path), "run_name": "old"}, [1.0])
     latest = run({"output_dir": str(tmp_path), "run_name": "new"}, [1.0, 2.0])
