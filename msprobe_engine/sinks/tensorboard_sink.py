@@ -64,7 +64,7 @@ class TensorBoardSink(Sink):
         super().__init__(config, run_dir)
         self._kept: dict[str, bool] = {}  # tag -> written as a scalar
         self._seen: set[str] = set()  # every tag of the records so far (the layout is of those kept)
-        self._pictured: dict[str, tuple[str, str] | None] = {}  # tag -> (kind, row) in the heatmaps
+        self._pictured: dict[str, tuple[str, str]] = {}  # tag -> (kind, row) in the heatmaps
         self._history = {kind: NormHistory(config.heatmap_steps) for kind in PICTURED}
         self._waiting: list[tuple[int, int, str, int]] = []  # (step, rank, rule, writes waited)
         self._monitored = 0
@@ -77,10 +77,13 @@ class TensorBoardSink(Sink):
     def write(self, record: StepRecord) -> None:
         metrics = record.metrics
         values = [Summary.Value(tag=tag, simple_value=value) for tag, value in metrics.items() if self._keeps(tag)]
-        if self.config.layout and not metrics.keys() <= self._seen:
+        if not metrics.keys() <= self._seen:  # new tags: where they go
             self._seen.update(metrics)
-            kept = [tag for tag in self._seen if self._keeps(tag)]
-            values.append(layout_value(build_layout(kept, [tag for tag in kept if tag.startswith("Health/")])))
+            self._pictured.update((tag, row) for tag in metrics if tag not in self._pictured
+                                  and (row := _picture_row(tag)) is not None)
+            if self.config.layout:
+                kept = [tag for tag in self._seen if self._keeps(tag)]
+                values.append(layout_value(build_layout(kept, [tag for tag in kept if tag.startswith("Health/")])))
         norms = self._norms(metrics)
         for kind, by_tag in norms.items():
             self._history[kind].add(record.step, by_tag)
@@ -122,12 +125,10 @@ class TensorBoardSink(Sink):
     def _norms(self, metrics: dict[str, float]) -> dict[str, dict[str, float]]:
         """The norms of the rows shown in heatmaps: {kind: {row name: norm}}."""
         found: dict[str, dict[str, float]] = {kind: {} for kind in PICTURED}
-        for tag, value in metrics.items():
-            place = self._pictured.get(tag, False)
-            if place is False:
-                place = self._pictured[tag] = _picture_row(tag)
-            if place is not None:
-                found[place[0]][place[1]] = value
+        for tag, (kind, row) in self._pictured.items():
+            value = metrics.get(tag)
+            if value is not None:
+                found[kind][row] = value
         return found
 
     def _heatmaps(self) -> list[Summary.Value]:
