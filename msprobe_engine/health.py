@@ -62,6 +62,10 @@ class HealthMeter:
         health.update(metrics)
         return health
 
+    def restore(self, episodes: list[tuple[str, str]]) -> None:
+        """The (rule, tag) of the episodes open when the run was saved (a resumed run)."""
+        self._open = set(episodes)
+
     def _kinds(self, keys: list[MetricKey]) -> np.ndarray:
         if keys != self._keys:
             index = {kind: i for i, kind in enumerate(KINDS)}

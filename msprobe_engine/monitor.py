@@ -333,6 +333,7 @@ class Monitor(StepLifecycle):
         for rule, saved in zip(self._rules, state["rules"]):
             rule.load_state_dict(saved["state"])
         self._tracker.load_state_dict(state["episodes"])
+        self._health.restore([(first.rule, first.tag) for _, first, _ in self._tracker.active.values()])
         if self.incidents is not None and state.get("incidents"):
             self.incidents.load_state_dict(state["incidents"])
         self.records_written = int(state.get("records_written", 0))

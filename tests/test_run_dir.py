@@ -72,6 +72,15 @@ def test_a_directory_of_monitors_that_recorded_nothing_is_not_a_run(tmp_path):
         Monitor(events_only)
 
 
+def test_an_alert_open_when_the_run_stopped_is_still_open_after_resume(tmp_path):
+    config = {"output_dir": str(tmp_path), "run_name": "r", "sinks": ["jsonl"]}
+    run(config, [1.0, float("nan")])
+    run({**config, "resume": True}, [float("nan"), 1.0])
+    alert = [json.loads(line)["metrics"]["Health/alert/non_finite"]
+             for line in (tmp_path / "r" / "rank0" / "metrics.jsonl").read_text().splitlines()]
+    assert alert == [0.0, 1.0, 1.0, 0.0]
+
+
 def test_resume_without_a_name_continues_the_latest_run(tmp_path):
     run({"output_dir": str(tmp_path), "run_name": "old"}, [1.0])
     latest = run({"output_dir": str(tmp_path), "run_name": "new"}, [1.0, 2.0])
