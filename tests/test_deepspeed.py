@@ -66,7 +66,7 @@ def cases(world: int) -> list[str]:
 def mismatches(ours: dict[str, float], reference: dict[str, float], tolerance, prefix: str = "") -> list[str]:
     """Tags whose values differ by more than `tolerance(tag)` (see the module docstring)."""
     bad = []
-    for tag, expected in reference.items():
+    for tag, expected in untimed(reference).items():
         base, stat = tag.rsplit("/", 1)
         if stat in ("nan_count", "inf_count"):
             continue
@@ -116,7 +116,7 @@ def test_fp32_stages_equal_the_model_trained_without_deepspeed(launches, referen
     results = launches[world][1][0]
     for name in FP32_CASES:
         for record, reference in zip(results[name]["records"], references[world], strict=True):
-            assert set(record["metrics"]) - set(reference) == {"train/skipped"}
+            assert set(record["metrics"]) == set(reference)  # plain PyTorch has train/skipped too
             bad = mismatches(record["metrics"], reference, fp32_tolerance)
             assert not bad, f"world {world} {name} step {record['step']}: {bad[:5]}"
 
