@@ -99,8 +99,8 @@ def legend(history: NormHistory, norms: np.ndarray, limit: int = 40) -> str:
             f"magenta nan, red inf, grey not measured).{marked} Rows top to bottom: {shown}{more}")
 
 
-def log_bins(values: np.ndarray, bins: int = 30) -> tuple[np.ndarray, np.ndarray] | None:
-    """Histogram of log10 of the finite positive `values`: (counts, right bucket edges)."""
+def log_bins(values: np.ndarray, bins: int = 30) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Histogram of log10 of the finite positive `values`: (counts, right bucket edges, the logs)."""
     values = values[np.isfinite(values) & (values > 0)]
     if not values.size:
         return None
@@ -109,4 +109,4 @@ def log_bins(values: np.ndarray, bins: int = 30) -> tuple[np.ndarray, np.ndarray
     if math.isclose(low, high):
         low, high = low - 0.5, high + 0.5
     counts, edges = np.histogram(logs, bins=bins, range=(low, high))
-    return counts, edges[1:]
+    return counts, edges[1:], logs

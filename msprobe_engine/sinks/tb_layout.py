@@ -16,6 +16,7 @@ from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
 from tensorboard.plugins.custom_scalar import layout_pb2, metadata
 
 LAYER_KINDS = ("actv", "actv_grad", "grad", "param", "optim")
+DT_STRING = 7  # tensorflow's DataType of a string tensor
 _LAYER_INDEX = re.compile(r"(?<![^.])\d+(?![^.:])")  # a whole dotted component that is a number
 OTHER = "other"
 
@@ -75,8 +76,7 @@ def build_layout(tags: Iterable[str], health: Iterable[str]) -> layout_pb2.Layou
 
 def layout_value(layout: layout_pb2.Layout) -> Summary.Value:
     """The layout as the custom-scalars plugin reads it (its config tag, a string tensor)."""
-    tensor = TensorProto(dtype=7, string_val=[layout.SerializeToString()],  # 7: DT_STRING
-                         tensor_shape=TensorShapeProto())
+    tensor = TensorProto(dtype=DT_STRING, string_val=[layout.SerializeToString()], tensor_shape=TensorShapeProto())
     return Summary.Value(tag=metadata.CONFIG_SUMMARY_TAG, metadata=metadata.create_summary_metadata(),
                          tensor=tensor)
 

@@ -1,9 +1,9 @@
 """TensorBoard event files written with the tensorboard package itself (no torch needed).
 
 Per monitored step: every `Health/*` and `train/*` scalar, the global gradient norm, and
-of the per-layer tags the statistics in `layer_stats` (all of them compare across layers
-in the custom-scalars layout, written with the first step and again when new tags
-appear). Every `heatmap_every` steps and at each incident: heatmaps of the activation and
+the per-layer tags of the kinds in `layer_kinds` with the statistics in `layer_stats`
+(they compare across layers in the custom-scalars layout, written with the first step and
+again when new tags appear). Every `heatmap_every` steps and at each incident: heatmaps of the activation and
 gradient norms (`Health/heatmap/*`, layers x steps); at the incident's step: the incident
 as markdown (`Health/incident`); on request, histograms of the per-layer norms.
 Everything runs on the writer thread (docs/tensorboard.md).
@@ -28,13 +28,12 @@ from msprobe_engine.records import StepRecord
 from msprobe_engine.sinks.base import Sink, register_sink
 from msprobe_engine.sinks.heatmap import NormHistory, enlarge, heatmap_rgb, legend, log_bins, png
 from msprobe_engine.sinks.tb_incident import incident_directory, incident_markdown, read_incident
-from msprobe_engine.sinks.tb_layout import LAYER_KINDS, build_layout, layout_value, parse_tag
+from msprobe_engine.sinks.tb_layout import DT_STRING, LAYER_KINDS, build_layout, layout_value, parse_tag
 from msprobe_engine.stats import STATISTICS
 
 #: heatmaps and histograms: the kind of the norms they show -> the role of those rows
 PICTURED = {"actv": "output", "grad": ""}
 INCIDENT_TAG = "Health/incident"
-DT_STRING = 7
 #: writes after which an incident whose incident.json never appeared is given up
 INCIDENT_PATIENCE = 50
 
@@ -151,8 +150,7 @@ class TensorBoardSink(Sink):
             binned = log_bins(np.fromiter(by_path.values(), dtype=np.float64, count=len(by_path)))
             if binned is None:
                 continue
-            counts, limits = binned
-            logs = np.log10([v for v in by_path.values() if np.isfinite(v) and v > 0])
+            counts, limits, logs = binned
             histogram = HistogramProto(min=float(logs.min()), max=float(logs.max()), num=float(logs.size),
                                        sum=float(logs.sum()), sum_squares=float((logs ** 2).sum()),
                                        bucket_limit=limits.tolist(), bucket=counts.astype(float).tolist())
