@@ -57,6 +57,20 @@ def _analyze_run(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------ tensorboard
+
+def _tensorboard_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--logdir", required=True, help="an output_dir (every run in it) or one run directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=6006)
+
+
+def _tensorboard_run(args: argparse.Namespace) -> int:
+    from msprobe_engine.sinks.tb_server import serve
+
+    return serve(args.logdir, args.host, args.port)
+
+
 # ------------------------------------------------------------------ compare
 
 def _threshold(text: str) -> tuple[str, float]:
@@ -307,6 +321,8 @@ def _generate_operator_run(args: argparse.Namespace) -> int:
 VERBS: dict[str, Verb] = {
     "analyze": Verb("find where a dump first went bad (nan/inf scenes, ignore rules)",
                     _analyze_arguments, _analyze_run),
+    "tensorboard": Verb("serve runs with TensorBoard (works when two packages bring the same plugin)",
+                        _tensorboard_arguments, _tensorboard_run),
     "compare": Verb("compare two dumps (statistics or tensors) or two monitor runs",
                     _compare_arguments, _compare_run),
     "graph": Verb("model graph of a dump, node-by-node comparison of two dumps, or an incident's step "

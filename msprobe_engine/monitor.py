@@ -28,7 +28,6 @@ import math
 import os
 import time
 from collections import deque
-from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -39,9 +38,11 @@ from msprobe_engine.incident.graph import HIDDEN_KINDS, CallGraph
 from msprobe_engine.incident.recorder import Incident, IncidentContext, IncidentRecorder, StepFacts
 from msprobe_engine.incident.replay import ReplayHost, StepCall, every_statistic
 from msprobe_engine.records import AlertEvent, StepRecord
+from msprobe_engine.health import HealthMeter
 from msprobe_engine.registry import framework_names, framework_of, load_framework
 from msprobe_engine.contract import StepLifecycle
 from msprobe_engine.rules import AlertTracker, Firing, build_rules
+from msprobe_engine.run_dir import open_run_dir
 from msprobe_engine.sinks import BackgroundWriter, create_sinks
 from msprobe_engine.state import STATE_VERSION, check_state
 from msprobe_engine.stats import divide, empty_rows, numpy_backend, optional_columns
@@ -99,12 +100,15 @@ class Monitor(StepLifecycle):
         self._optimizer_done = False
         self._attachments: list = []
         self._warned: set[str] = set()
-        self.run_dir = Path(self.config.output_dir) / f"rank{self.rank}"
         if writes is None:  # an integration may choose, e.g. one writer per pipeline stage
             writes = self.rank == 0 or self.config.per_rank
-        self._sinks = create_sinks(self.config.sinks, self.run_dir) if writes else []
-        if self._sinks:
-            prepare_output_dir(self.run_dir)
+        writes = writes and bool(self.config.sinks)
+        #: <output_dir>/<run name>/ and this rank's directory in it (`run_dir`)
+        self.run = open_run_dir(self.config.output_dir, self.config.run_name, self.config.resume, self.rank, writes,
+                                self.config.incidents.dir)
+        self.run_dir = self.run.rank_dir
+        self._sinks = create_sinks(self.config.sinks, self.run_dir, self.run.incidents) if writes else []
+        self._health = HealthMeter([rule.name for rule in self._rules])
         self.writer = BackgroundWriter(self.config.writer.queue_size, self.config.writer.when_full,
                                        strict=self.config.strict)
         for sink in self._sinks:
@@ -112,6 +116,8 @@ class Monitor(StepLifecycle):
         self.incidents = IncidentRecorder(IncidentContext(
             self.config, self.rank, "pytorch", self.writer, self._rules, self.history, self._metrics, self.warn,
         )) if self.config.incidents.enabled else None
+        if self.incidents is not None:
+            self.incidents.root = self.run.incidents
         #: filled by the module hooks when incidents are on (what each call read)
         self.graph = CallGraph() if self.incidents is not None else None
         #: (dtype, shape, requires_grad) of the last tensor measured under each key (incidents)
@@ -122,6 +128,10 @@ class Monitor(StepLifecycle):
         self.replay_host: ReplayHost | None = None
         self._step_call: StepCall | None = None
         self._replaying = False
+        self._host_since = time.perf_counter()
+        saved = self.run.saved_state()
+        if saved is not None:
+            self.load_state_dict(saved)
 
     # ---- wiring -----------------------------------------------------------------
     def attach(self, model: Any, optimizer: Any = None) -> "Monitor":
@@ -292,6 +302,8 @@ class Monitor(StepLifecycle):
         self.drain()
         for sink in self._sinks:
             self.writer.submit(sink.close, f"{sink.name} sink close")
+        if self._sinks:
+            self.writer.submit(functools.partial(self.run.save_state, self.state_dict()), "monitor state")
         with self.guard("close"):
             self.detach()
         self.writer.close()
@@ -321,6 +333,7 @@ class Monitor(StepLifecycle):
         for rule, saved in zip(self._rules, state["rules"]):
             rule.load_state_dict(saved["state"])
         self._tracker.load_state_dict(state["episodes"])
+        self._health.restore([(first.rule, first.tag) for _, first, _ in self._tracker.active.values()])
         if self.incidents is not None and state.get("incidents"):
             self.incidents.load_state_dict(state["incidents"])
         self.records_written = int(state.get("records_written", 0))
@@ -424,6 +437,7 @@ class Monitor(StepLifecycle):
     def _transfer(self, reduce: bool = True) -> dict[int, StatTable]:
         """The one device-to-host copy: every pending row, grouped by step (`reduce`: through
         `self.reducer`; a replay, which runs on its own, is not reduced)."""
+        self._host_since = time.perf_counter()  # Health/monitor_ms: from here to the record
         pending, self._pending = self._pending, []
         self._rows.clear()
         if not pending:
@@ -498,12 +512,11 @@ class Monitor(StepLifecycle):
 
     def _emit(self, step: int, table: StatTable, events: list[AlertEvent]) -> StepRecord:
         micro_steps = self._early_micro_steps.pop(step, self.micro_steps)
+        metrics = self._health(table, events, self._metrics(table), (time.perf_counter() - self._host_since) * 1e3)
         record = StepRecord(step=step, rank=self.rank, micro_steps=micro_steps,
-                            metrics=self._metrics(table), alerts=events, wall_time=time.time())
+                            metrics=metrics, alerts=events, wall_time=time.time())
         for event in events:
-            log.warning("msprobe alert %s %s at step %d: %s = %s%s", event.rule, event.phase, event.step,
-                        event.tag, _fmt(event.value),
-                        f" (lasted {event.steps} steps)" if event.phase == "end" else "")
+            log.warning("msprobe alert %s", _describe(event))
         self.history.append(record)
         self.alert_log.extend(events)
         for sink in self._sinks:
@@ -518,6 +531,14 @@ def _tensor_meta(tensor: Any) -> tuple:
     return tensor.dtype, tensor.shape, getattr(tensor, "requires_grad", False)
 
 
+def _describe(event: AlertEvent) -> str:
+    """`non_finite start at step 60: <tag> = nan`; `... end at step 61 after 1 step: <tag> was nan`."""
+    if event.phase == "start":
+        return f"{event.rule} start at step {event.step}: {event.tag} = {_fmt(event.value)}"
+    steps = f"{event.steps} step{'' if event.steps == 1 else 's'}"
+    return f"{event.rule} end at step {event.step} after {steps}: {event.tag} was {_fmt(event.value)} at its last firing"
+
+
 def _fmt(value: float) -> str:
     return str(value) if not math.isfinite(value) else f"{value:.6g}"
 
@@ -525,12 +546,3 @@ def _fmt(value: float) -> str:
 def _default_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
-
-def prepare_output_dir(run_dir: Path) -> None:
-    """Create `run_dir`, or raise `ConfigError` naming the path and the reason (before training)."""
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"output_dir: cannot create {run_dir}: {exc.strerror or exc}") from None
-    if not os.access(run_dir, os.W_OK | os.X_OK):
-        raise ConfigError(f"output_dir: {run_dir} is not writable")

@@ -4,6 +4,9 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# tests written before run directories look in <output_dir>/rank<R>/: the run name "." keeps
+# that layout for them; tests/test_run_dir.py and tests/test_tensorboard.py unset it
+os.environ.setdefault("MSPROBE_RUN_NAME", ".")
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))

@@ -16,6 +16,7 @@ import torch
 
 from examples.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
 from msprobe_engine.stats import finalize, reference_partial
+from tests.sink_helpers import EVERY_TAG_TENSORBOARD
 
 MODEL = GPTConfig(vocab=64, dim=32, heads=2, layers=2, seq=16, batch=2)  # batch: one micro-batch of one rank
 GAS = 2
@@ -28,7 +29,7 @@ STATES = ("exp_avg", "exp_avg_sq")
 
 def monitor_config(out: str | Path, **overrides) -> dict:
     return {"strict": True, "output_dir": str(out), "stats": [*SUMMARY, "nan_count", "inf_count"],
-            "sinks": ["tensorboard", "jsonl"], "watch": WATCH, **overrides}
+            "sinks": [EVERY_TAG_TENSORBOARD, "jsonl"], "watch": WATCH, **overrides}
 
 
 def ds_config(stage: int, dtype: str, **extra) -> dict:

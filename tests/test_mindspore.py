@@ -29,6 +29,7 @@ from msprobe_engine.frameworks.mindspore import backend as mindspore_backend  # 
 from msprobe_engine.incident.actions import TrainingStopped  # noqa: E402
 from msprobe_engine.stats import finalize, reference_partial  # noqa: E402
 from msprobe_integrations.mindspore import MindSporeMonitor, MonitorCallback  # noqa: E402
+from tests.sink_helpers import EVERY_TAG_TENSORBOARD  # noqa: E402
 
 ms.set_device("CPU")
 ms.set_context(mode=ms.PYNATIVE_MODE)
@@ -266,7 +267,7 @@ def test_a_stop_rule_stops_the_training_before_the_optimizer_step(tmp_path):
 
 def test_model_train_callback_writes_tensorboard_that_reads_back(tmp_path):
     net, opt = make()
-    callback = MonitorCallback(net, opt, config=config(tmp_path, sinks=["tensorboard", "jsonl"]))
+    callback = MonitorCallback(net, opt, config=config(tmp_path, sinks=[EVERY_TAG_TENSORBOARD, "jsonl"]))
     Model(net, nn.MSELoss(), opt).train(1, dataset(3), callbacks=[callback], dataset_sink_mode=False)
     history = list(callback.monitor.monitor.history)  # closed at the end of train
     assert [r.step for r in history] == [0, 1, 2] and all(r.micro_steps == 1 for r in history)

@@ -10,14 +10,15 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from examples.tiny_gpt import TinyGPT, synthetic_batches
 from msprobe_engine.sinks import BackgroundWriter
 from msprobe_integrations.torch import TorchMonitor
+from tests.sink_helpers import EVERY_TAG_TENSORBOARD
 
 
-def run_monitored(tmp_path, steps=3):
+def run_monitored(tmp_path, steps=3, tensorboard=EVERY_TAG_TENSORBOARD):
     torch.manual_seed(0)
     model = TinyGPT()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     monitor = TorchMonitor(model, opt, {"output_dir": str(tmp_path), "strict": True,
-                                        "sinks": ["tensorboard", "csv", "jsonl"],
+                                        "sinks": [tensorboard, "csv", "jsonl"],
                                         "watch": {"activation_grads": True}})
     reference = []
     for tokens, targets in synthetic_batches(model.cfg, steps):
@@ -47,6 +48,17 @@ def test_tensorboard_events_read_back_with_tags_steps_and_values(tmp_path):
                                [r["fc1_grad_norm"] for r in reference], rtol=1e-5)
     np.testing.assert_allclose([e.value for e in acc.Scalars("grad/head.weight/max")],
                                [r["head_grad_max"] for r in reference], rtol=1e-6)
+
+
+def test_tensorboard_by_default_keeps_the_norms_of_activations_and_gradients(tmp_path):
+    monitor, _ = run_monitored(tmp_path, steps=2, tensorboard="tensorboard")
+    acc = EventAccumulator(str(tmp_path / "rank0"), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    written = set(monitor.history[-1].metrics)  # every tag of the record (metrics.jsonl has them all)
+    per_layer = {t for t in written if t.split("/")[0] in ("actv", "actv_grad", "grad", "param", "optim")}
+    assert tags == (written - per_layer) | {t for t in per_layer if t.split("/")[0] in ("actv", "grad")
+                                            and t.endswith("/norm")}
 
 
 def test_csv_and_jsonl_hold_the_same_records(tmp_path):

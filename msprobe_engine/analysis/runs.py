@@ -1,4 +1,8 @@
-"""Compare two monitor runs (``<output_dir>/rank<R>/metrics.jsonl``) and find where they diverge.
+"""Compare two monitor runs (``<output_dir>/<run name>/rank<R>/metrics.jsonl``) and find where they diverge.
+
+A run is given as its run directory (``<output_dir>/<run name>``), one rank directory or
+one metrics.jsonl; an output_dir that holds a single run stands for that run. The
+`Health/*` overview is left out: it repeats other tags, and `Health/monitor_ms` is a time.
 
 Records align by rank, step and tag. Two values differ when their relative difference
 |b - a| / max(|a|, |b|) exceeds ``rtol`` and |b - a| exceeds ``atol``, or when their nan/inf
@@ -16,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from msprobe_engine.analysis.metrics import same_nonfinite
+from msprobe_engine.health import PREFIX as HEALTH
 
 JSONL_NAME = "metrics.jsonl"
 _RANK_RE = re.compile(r"^rank(\d+)$")
@@ -26,10 +31,18 @@ Records = dict[int, dict[str, float]]  # step -> {tag: value}, tags in record or
 
 
 def is_run(path: Path | str) -> bool:
-    """True for a metrics.jsonl file or a directory holding one (directly or in rank*/)."""
+    """True for a metrics.jsonl file or a directory holding one (directly, in rank*/ or in
+    <run>/rank*/)."""
     path = Path(path)
     return (path.is_file() and path.suffix == ".jsonl") or (path / JSONL_NAME).is_file() or \
-        (path.is_dir() and any(path.glob(f"rank*/{JSONL_NAME}")))
+        (path.is_dir() and any(path.glob(f"rank*/{JSONL_NAME}"))) or bool(_runs_in(path))
+
+
+def _runs_in(path: Path) -> list[Path]:
+    """The run directories (holding rank*/metrics.jsonl) directly under an output_dir."""
+    if not path.is_dir():
+        return []
+    return sorted(d for d in path.iterdir() if d.is_dir() and any(d.glob(f"rank*/{JSONL_NAME}")))
 
 
 def _run_files(path: Path) -> dict[int, Path]:
@@ -40,6 +53,12 @@ def _run_files(path: Path) -> dict[int, Path]:
         return {int(match.group(1)) if match else 0: path / JSONL_NAME}
     files = {int(d.name[4:]): d / JSONL_NAME for d in path.iterdir()
              if _RANK_RE.match(d.name) and (d / JSONL_NAME).is_file()}
+    runs = _runs_in(path) if not files else []
+    if len(runs) == 1:
+        return _run_files(runs[0])
+    if runs:
+        raise FileNotFoundError(f"{path} holds {len(runs)} runs ({', '.join(d.name for d in runs)}): "
+                                "give one run directory")
     if not files:
         raise FileNotFoundError(f"{path}: no {JSONL_NAME} here nor in rank*/ directories")
     return dict(sorted(files.items()))
@@ -58,7 +77,8 @@ def read_records(file: Path, problems: list[str]) -> Records:
                 step, metrics = obj["step"], obj["metrics"]
                 if not isinstance(step, int) or not isinstance(metrics, dict):
                     raise TypeError("'step' must be an integer and 'metrics' an object")
-                records[step] = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+                records[step] = {k: float(v) for k, v in metrics.items()
+                                 if isinstance(v, (int, float)) and not k.startswith(HEALTH)}
             except (ValueError, KeyError, TypeError) as e:
                 problems.append(f"{file}:{lineno}: skipped: {e!s}")
     return records

@@ -95,6 +95,8 @@ class MonitorConfig:
     #: modules imported before the config is validated (they register statistics, rules, sinks)
     plugins: list[str] = field(default_factory=list)
     output_dir: str = "./msprobe_output"
+    run_name: str = ""  # <output_dir>/<run_name>/rank<R>/; empty: $MSPROBE_RUN_NAME, else a timestamp (run_dir.py)
+    resume: bool = False  # continue the run in a directory that holds one, instead of refusing it
     strict: bool = False
     schedule: Schedule = field(default_factory=Schedule)
     watch: Watch = field(default_factory=Watch)

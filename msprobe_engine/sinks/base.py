@@ -1,7 +1,7 @@
 """The sink interface and the registry that picks sinks by name.
 
 A sink is a registered class with its own `Config` (the keys of its entry in the config's
-`sinks` list): ``sinks: [tensorboard, {name: jsonl}, {name: wandb, project: x, tags: ["health/*"]}]``.
+`sinks` list): ``sinks: [tensorboard, {name: jsonl}, {name: wandb, project: x, tags: ["Health/*"]}]``.
 It is built on the training thread without touching files; every other call (`open`,
 `write`, `flush`, `close`) runs on the one writer thread. `requires` names the optional
 packages it needs: a config that selects it fails at load when one is missing.
@@ -23,6 +23,8 @@ class Sink:
     """Base of every sink; subclasses register with `@register_sink(name)`."""
 
     name: ClassVar[str]
+    #: where the run's incidents go (`create_sinks` sets it), for sinks that show them
+    incidents_dir: Path | None = None
     #: optional packages this sink imports (checked when a config selects it)
     requires: ClassVar[tuple[str, ...]] = ()
 
@@ -77,7 +79,10 @@ SINKS: Registry[type[Sink]] = Registry("sink", "msprobe_engine.sinks.builtin")
 register_sink = SINKS.register
 
 
-def create_sinks(configs: list[Sink.Config], run_dir: Path) -> list[Sink]:
-    """The configured sinks writing under `run_dir` (e.g. <output_dir>/rank0); no file is
-    touched until their `open` runs on the writer thread."""
-    return [SINKS.get(config.name)(config, run_dir) for config in configs]
+def create_sinks(configs: list[Sink.Config], run_dir: Path, incidents_dir: Path | None = None) -> list[Sink]:
+    """The configured sinks writing under `run_dir` (e.g. <output_dir>/<run>/rank0), told
+    where the run's incidents go; no file is touched until their `open` runs on the writer thread."""
+    sinks = [SINKS.get(config.name)(config, run_dir) for config in configs]
+    for sink in sinks:
+        sink.incidents_dir = incidents_dir
+    return sinks

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 #: optimizer-state key in torch.optim -> the name we report
 STATE_NAMES = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "momentum_buffer": "exp_avg"}
 
+SKIPPED = MetricKey("train", "skipped")  # 1 when the monitor's decision skipped the step, else 0
+
 HeldGrads = list[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -54,6 +56,7 @@ class OptimizerHooks:
         self.update = any(s in ("update", "ratio") for s in watch.optimizer_state)
         self._before: list[torch.Tensor] | None = None
         self._held: HeldGrads = []
+        self._skipped = False
         self.handles: list = []
         if optimizer is None:
             return
@@ -79,7 +82,8 @@ class OptimizerHooks:
                     monitor.add_tensors([MetricKey("grad", n) for n, _ in grads], [g for _, g in grads])
                 if self.update and not monitor.replaying:
                     self._before = torch._foreach_mul([p.detach() for _, p in self.params], 1.0)
-        if monitor.before_optimizer_step().skip:
+        self._skipped = monitor.before_optimizer_step().skip
+        if self._skipped:
             self._held = set_aside_grads(p for group in optimizer.param_groups for p in group["params"])
 
     def _post_step(self, optimizer, args, kwargs) -> None:
@@ -90,6 +94,7 @@ class OptimizerHooks:
             return
         if monitor.active:
             with monitor.guard("optimizer post-step hook"):
+                monitor.add_tensors([SKIPPED], [monitor.backend.scalar(1.0 if self._skipped else 0.0)])
                 self._read_after_step(optimizer)
         monitor.after_optimizer_step()
 

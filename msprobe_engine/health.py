@@ -1,0 +1,74 @@
+"""The overview of a step, `Health/*`: the few numbers that say whether the run is healthy.
+
+Computed on the host from the step's rows after the one transfer (a handful of numpy
+reductions; the row layout is cached while the keys repeat), and put first in the
+step's record, so that every sink gets them:
+
+    Health/loss, Health/grad_norm          train/loss, grad/global/norm
+    Health/non_finite/<kind>               nan + inf elements in actv, actv_grad, grad, param, optim
+    Health/worst_deviation                 the largest fold change of a row's norm from its running average
+    Health/skipped                         1 when the step's optimizer step was skipped (train/skipped)
+    Health/alert/<rule>                    1 while an episode of the rule is open, else 0 (every step)
+    Health/monitor_ms                      the monitor's host time at the step's transfer, rules and record
+
+(`Health` is capitalised so that TensorBoard, which sorts groups by name, shows it first.)
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from msprobe_engine.incident.deviation import RunningNorms
+from msprobe_engine.records import AlertEvent
+from msprobe_engine.stats import P_INF, P_NAN
+from msprobe_engine.stats.table import MetricKey, StatTable
+
+PREFIX = "Health/"
+#: the kinds whose non-finite elements are counted, in this order
+KINDS = ("actv", "actv_grad", "grad", "param", "optim")
+
+
+class HealthMeter:
+    """Builds the `Health/*` metrics of each emitted step (training thread, host side)."""
+
+    def __init__(self, rules: list[str]) -> None:
+        self.rules = list(dict.fromkeys(rules))
+        self._norms = RunningNorms()
+        self._open: set[tuple[str, str]] = set()  # (rule, tag) of the open episodes
+        self._keys: list[MetricKey] = []
+        self._kind = np.zeros(0, dtype=np.int64)  # index into KINDS, -1 for other rows
+
+    def __call__(self, table: StatTable, events: list[AlertEvent], metrics: dict[str, float],
+                 monitor_ms: float) -> dict[str, float]:
+        """`Health/*` of the step whose rows are `table`, followed by its `metrics`."""
+        health = {f"{PREFIX}{name}": metrics[tag] for name, tag in
+                  (("loss", "train/loss"), ("grad_norm", "grad/global/norm")) if tag in metrics}
+        kind = self._kinds(table.keys)
+        counts = np.bincount(kind + 1, weights=table.partials[:, P_NAN] + table.partials[:, P_INF],
+                             minlength=len(KINDS) + 1)[1:]
+        present = np.bincount(kind + 1, minlength=len(KINDS) + 1)[1:] > 0
+        for i in np.flatnonzero(present):
+            health[f"{PREFIX}non_finite/{KINDS[i]}"] = float(counts[i])
+        measured = kind >= 0
+        if measured.any():
+            health[f"{PREFIX}worst_deviation"] = float(self._norms.deviation(table)[measured].max())
+            self._norms.update(table)
+        health[f"{PREFIX}skipped"] = metrics.get("train/skipped", 0.0)
+        for event in events:
+            (self._open.add if event.phase == "start" else self._open.discard)((event.rule, event.tag))
+        open_rules = {rule for rule, _ in self._open}
+        for rule in self.rules:
+            health[f"{PREFIX}alert/{rule}"] = 1.0 if rule in open_rules else 0.0
+        health[f"{PREFIX}monitor_ms"] = monitor_ms
+        health.update(metrics)
+        return health
+
+    def restore(self, episodes: list[tuple[str, str]]) -> None:
+        """The (rule, tag) of the episodes open when the run was saved (a resumed run)."""
+        self._open = set(episodes)
+
+    def _kinds(self, keys: list[MetricKey]) -> np.ndarray:
+        if keys != self._keys:
+            index = {kind: i for i, kind in enumerate(KINDS)}
+            self._keys = list(keys)
+            self._kind = np.array([index.get(key.kind, -1) for key in keys], dtype=np.int64)
+        return self._kind

@@ -1,0 +1,163 @@
+"""Where a run writes: ``<output_dir>/<run name>/rank<R>/``, so that runs never mix.
+
+The run name is `run_name` from the config, else ``$MSPROBE_RUN_NAME``, else a timestamp
+(``20261201-091500``). A multi-process job needs one name on every rank: without a given
+name its ranks take the start time of the process that launched them (torchrun, the
+DeepSpeed launcher, ``mp.spawn``: the same parent on one node); on several nodes, give
+`run_name`. A rank directory that already holds a run (steps recorded) is refused (`ConfigError`) unless
+`resume: true`, which continues the run: the monitor state saved there at `close` is
+loaded (`Monitor.load_state_dict`), so its steps go on where they stopped. `resume: true`
+without a name continues the most recent run of `output_dir`. The name ``.`` writes
+straight into `output_dir` (``<output_dir>/rank<R>/``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from msprobe_engine.config.errors import ConfigError
+
+RUN_NAME_ENV = "MSPROBE_RUN_NAME"
+STATE_FILE = "monitor_state.json"
+EVENT_FILE_PREFIX = "events.out.tfevents."
+TIME_FORMAT = "%Y%m%d-%H%M%S"
+
+
+@dataclass(frozen=True, slots=True)
+class RunDir:
+    """One rank's directories of one run."""
+    root: Path  # <output_dir>/<run name>
+    rank_dir: Path  # root/rank<R>: the sinks' files and the saved monitor state
+    resumed: bool  # the rank directory held an earlier part of this run
+    incidents: Path  # the configured `incidents.dir`, by default root/incidents
+
+    @property
+    def name(self) -> str:
+        return self.root.name
+
+    def saved_state(self) -> dict[str, Any] | None:
+        """The monitor state saved by the run's previous part (None when there is none)."""
+        file = self.rank_dir / STATE_FILE
+        if not (self.resumed and file.is_file()):
+            return None
+        try:
+            return json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"resume: cannot read the saved monitor state {file}: {exc}") from None
+
+    def save_state(self, state: dict[str, Any]) -> None:
+        """Write `state` for a later `resume: true` (writer thread; atomic)."""
+        file = self.rank_dir / STATE_FILE
+        partial = file.with_suffix(".tmp")
+        partial.write_text(json.dumps(state), encoding="utf-8")
+        partial.replace(file)
+
+
+def open_run_dir(output_dir: str, run_name: str, resume: bool, rank: int, writes: bool,
+                 incidents_dir: str = "") -> RunDir:
+    """The run directory of this rank; a rank that `writes` gets its directory created and
+    checked (refused when it holds a run and `resume` is false). `incidents_dir`: the
+    configured incidents directory (empty: the run's own ``incidents/``)."""
+    base = Path(output_dir)
+    given = run_name or os.environ.get(RUN_NAME_ENV, "")
+    if given:
+        _check_name(given)
+        root = base if given == "." else base / given
+    elif resume:
+        root = _latest_run(base, rank) or base / _timestamp_name(base, rank)
+    else:
+        root = base / _timestamp_name(base, rank)
+    rank_dir = root / f"rank{rank}"
+    holds_data = rank_dir.is_dir() and _holds_run(rank_dir)
+    if writes:
+        if holds_data and not resume:
+            raise ConfigError(f"run_name: {rank_dir} already holds a run ({', '.join(_some_files(rank_dir))}); "
+                              "choose another run_name, or set resume: true to continue that run")
+        _prepare(rank_dir)
+    return RunDir(root, rank_dir, resume and holds_data, Path(incidents_dir) if incidents_dir else root / "incidents")
+
+
+def _holds_run(rank_dir: Path) -> bool:
+    """Whether a monitor recorded steps here: its saved state says so, or (after a crash) a
+    file holds more than what a monitor without steps leaves (empty files, an event file
+    with only its version record)."""
+    state = rank_dir / STATE_FILE
+    if state.is_file():
+        try:
+            return int(json.loads(state.read_text(encoding="utf-8")).get("records_written", 1)) > 0
+        except (OSError, ValueError, AttributeError, TypeError):
+            return True
+    for file in rank_dir.iterdir():
+        if file.name.startswith(EVENT_FILE_PREFIX) and file.is_file():
+            if _records_beyond_the_first(file):
+                return True
+        elif not file.is_file() or file.stat().st_size > 0:
+            return True
+    return False
+
+
+def _records_beyond_the_first(event_file: Path) -> bool:
+    """A TFRecord file (u64 length, u32 crc, data, u32 crc per record) longer than one record."""
+    with open(event_file, "rb") as f:
+        header = f.read(8)
+        if len(header) < 8:
+            return False
+        first = 8 + 4 + int.from_bytes(header, "little") + 4
+        f.seek(0, os.SEEK_END)
+        return f.tell() > first
+
+
+def _check_name(name: str) -> None:
+    if name != "." and (name in ("..", "") or "/" in name or "\\" in name):
+        raise ConfigError(f"run_name: {name!r} must be a plain directory name (no '/'), or '.'")
+
+
+def _timestamp_name(base: Path, rank: int) -> str:
+    """The launch time: this process's, or in a multi-process job its launcher's. A single
+    process that finds the name taken (two runs in one second) adds -2, -3, ..."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return time.strftime(TIME_FORMAT, time.localtime(_parent_start_time()))
+    name = stem = time.strftime(TIME_FORMAT)
+    suffix = 1
+    while (base / name / f"rank{rank}").exists():
+        suffix += 1
+        name = f"{stem}-{suffix}"
+    return name
+
+
+def _parent_start_time() -> float:
+    """When the parent process started (Linux /proc), else now."""
+    try:
+        fields = Path(f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = int(fields[19])  # starttime, in clock ticks since boot
+        for line in Path("/proc/stat").read_text().splitlines():
+            if line.startswith("btime "):
+                return int(line.split()[1]) + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        pass
+    return time.time()
+
+
+def _latest_run(base: Path, rank: int) -> Path | None:
+    """The run of `base` whose rank directory changed last."""
+    runs = [d for d in base.glob(f"*/rank{rank}") if d.is_dir()] if base.is_dir() else []
+    return max(runs, key=lambda d: d.stat().st_mtime).parent if runs else None
+
+
+def _some_files(directory: Path, limit: int = 3) -> list[str]:
+    names = sorted(p.name for p in directory.iterdir())
+    return names[:limit] + (["..."] if len(names) > limit else [])
+
+
+def _prepare(rank_dir: Path) -> None:
+    """Create `rank_dir`, or raise `ConfigError` naming the path and the reason."""
+    try:
+        rank_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"output_dir: cannot create {rank_dir}: {exc.strerror or exc}") from None
+    if not os.access(rank_dir, os.W_OK | os.X_OK):
+        raise ConfigError(f"output_dir: {rank_dir} is not writable")
