@@ -116,6 +116,8 @@ class Monitor(StepLifecycle):
         self.incidents = IncidentRecorder(IncidentContext(
             self.config, self.rank, "pytorch", self.writer, self._rules, self.history, self._metrics, self.warn,
         )) if self.config.incidents.enabled else None
+        if backend is not None:
+            self._set_framework(framework_of(backend) or "torch")
         if self.incidents is not None:
             self.incidents.root = self.run.incidents
         #: filled by the module hooks when incidents are on (what each call read)

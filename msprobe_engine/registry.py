@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import types
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
 from msprobe_engine.config.errors import ConfigError
@@ -107,7 +108,11 @@ def load_framework(name: str) -> Any:
 def framework_of(obj: Any) -> str | None:
     """The registered framework whose classes `obj` is built from (e.g. a `torch.nn.Module`
     subclass defined anywhere: 'torch'), judged by the modules of its class hierarchy, without
-    importing any framework; None when no registered framework matches."""
+    importing any framework; for a module (a backend), the framework whose package holds it.
+    None when no registered framework matches."""
+    if isinstance(obj, types.ModuleType):
+        return next((name for name, module in _FRAMEWORKS.items()
+                     if obj.__name__.startswith(module.rsplit(".", 1)[0] + ".")), None)
     for klass in type(obj).__mro__:
         top = (klass.__module__ or "").split(".", 1)[0]
         if top in _FRAMEWORKS:

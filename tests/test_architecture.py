@@ -103,7 +103,7 @@ def test_sinks_take_their_own_settings_and_unknown_ones_are_named():
 
 
 def _spike_run(out: Path, losses: list[float], state: dict | None = None) -> Monitor:
-    config = {"output_dir": str(out), "strict": True, "sinks": ["jsonl"],
+    config = {"output_dir": str(out), "strict": True, "sinks": ["jsonl"], "resume": state is not None,
               "alerts": [{"rule": "spike", "metrics": ["train/loss"], "warmup": 2, "factor": 3.0}]}
     monitor = Monitor(config)
     if state is not None:

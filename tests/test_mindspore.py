@@ -29,7 +29,7 @@ from msprobe_engine.frameworks.mindspore import backend as mindspore_backend  # 
 from msprobe_engine.incident.actions import TrainingStopped  # noqa: E402
 from msprobe_engine.stats import finalize, reference_partial  # noqa: E402
 from msprobe_integrations.mindspore import MindSporeMonitor, MonitorCallback  # noqa: E402
-from tests.sink_helpers import EVERY_TAG_TENSORBOARD  # noqa: E402
+from sink_helpers import EVERY_TAG_TENSORBOARD  # noqa: E402
 
 ms.set_device("CPU")
 ms.set_context(mode=ms.PYNATIVE_MODE)
