@@ -7,7 +7,11 @@ Accepted layout (the predecessor's)::
 
 The section named after the task (``statistics`` or ``tensor``) holds scope/list/data_mode/
 summary_mode; those keys may also be given at the top level. Sections of the predecessor's
-other tasks are ignored. Our own keys: ``stack`` (write stack.json), ``queue_size`` and
+other tasks are ignored. ``risk_level`` (the predecessor's key: CORE, FOCUS (its default) or ALL)
+picks the APIs recorded at L1/mix. Our own keys: ``predecessor_format`` (``"26.2"``, the
+default: ``proc<pid>/`` directories and names as mindstudio-probe 26.2 writes them; ``"1.x"``:
+its 1.x spellings, ``rank/`` and ``parameters_grad`` without a counter), ``stack`` (write
+stack.json, on by default as in the predecessor), ``queue_size`` and
 ``when_full`` (the writer queue), ``strict`` (errors inside hooks raise). Every problem raises
 `ConfigError` naming the key and the value.
 """
@@ -28,11 +32,14 @@ LEVELS = ("L0", "L1", "mix")
 DATA_MODES = ("all", "forward", "backward", "input", "output")
 SUMMARY_MODES = ("statistics", "md5")
 WHEN_FULL = ("wait", "drop")
+RISK_LEVELS = ("CORE", "FOCUS", "ALL")
+PREDECESSOR_FORMATS = ("26.2", "1.x")
 #: the predecessor's other tasks: their sections are ignored, choosing them is an error
 OTHER_TASKS = ("overflow_check", "run_ut", "free_benchmark", "grad_probe", "structure")
 SECTION_KEYS = ("scope", "list", "data_mode", "summary_mode")
 TOP_KEYS = ("task", "dump_path", "rank", "step", "level", "framework", "enable_dataloader", "async_dump",
-            "is_deterministic", "stack", "queue_size", "when_full", "strict")
+            "is_deterministic", "stack", "queue_size", "when_full", "strict", "risk_level",
+            "predecessor_format")
 _RANGE_RE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
 
 DumpConfigSource = Union[str, Path, dict, "DumpConfig", None]
@@ -50,7 +57,9 @@ class DumpConfig:
     api_list: tuple[str, ...] = ()
     data_mode: frozenset[str] = frozenset({"all"})
     summary_mode: str = "statistics"
-    stack: bool = False
+    stack: bool = True
+    risk_level: str = "FOCUS"
+    predecessor_format: str = "26.2"
     queue_size: int = 256
     when_full: str = "wait"
     strict: bool = False
@@ -116,7 +125,10 @@ def _build(data: dict) -> DumpConfig:
         api_list=tuple(_strings(section.get("list", []), "list")),
         data_mode=_data_mode(section.get("data_mode", ["all"])),
         summary_mode=_choice(section.get("summary_mode", "statistics"), "summary_mode", SUMMARY_MODES),
-        stack=_bool(data.get("stack", False), "stack"),
+        stack=_bool(data.get("stack", True), "stack"),
+        risk_level=_choice(data.get("risk_level", "FOCUS"), "risk_level", RISK_LEVELS),
+        predecessor_format=_choice(str(data.get("predecessor_format", "26.2")), "predecessor_format",
+                                   PREDECESSOR_FORMATS),
         queue_size=_positive(data.get("queue_size", 256), "queue_size"),
         when_full=_choice(data.get("when_full", "wait"), "when_full", WHEN_FULL),
         strict=_bool(data.get("strict", False), "strict"),

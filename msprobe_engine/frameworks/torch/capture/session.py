@@ -15,6 +15,7 @@ from msprobe_engine.config.errors import ConfigError
 from msprobe_engine.dump.session import DumpSession, check_names
 from msprobe_engine.frameworks.torch import backend as torch_backend
 from msprobe_engine.frameworks.torch.capture.api import ApiCatalog, ApiMode, push_mode, remove_mode
+from msprobe_engine.frameworks.torch.capture.operators import OperatorNames
 from msprobe_engine.frameworks.torch.capture.modules import DumpModuleHooks, module_keys
 from msprobe_engine.frameworks.torch.capture.recorder import Recorder, tensor_crc32
 
@@ -33,7 +34,8 @@ class PrecisionDebugger(DumpSession):
         catalog = ApiCatalog()
         modules = module_keys(model) if model is not None else {}
         check_names(self.config, modules, catalog)
-        self._recorder = Recorder(self.config, torch_backend, catalog, self._emit_tensors)
+        self._operators = OperatorNames() if self.config.level in ("L1", "mix") else None
+        self._recorder = Recorder(self.config, torch_backend, catalog, self._emit_tensors, self._operators)
         self._mode = ApiMode(self._recorder.api_call)
         if model is not None:
             self._hook_model(model)
@@ -48,6 +50,8 @@ class PrecisionDebugger(DumpSession):
         if not (self._running and wanted and self._recorder is not None) or self._recorder.active:
             return
         self._recorder.active = self._collected = True
+        if self._operators is not None:
+            self._operators.install()
         push_mode(self._mode)  # also in L0: it measures waiting tensors before in-place calls
 
     def _deactivate(self) -> None:
@@ -55,6 +59,8 @@ class PrecisionDebugger(DumpSession):
             return
         self._recorder.active = False
         remove_mode(self._mode)
+        if self._operators is not None:
+            self._operators.remove()
 
     def _tensor_writers(self) -> tuple[Any, Any]:
         """(save a tensor copy to a path, or None; its checksum, or None) as the config asks."""
