@@ -18,6 +18,7 @@ stack.json, on by default as in the predecessor), ``queue_size`` and
 from __future__ import annotations
 
 import difflib
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,22 @@ SECTION_KEYS = ("scope", "list", "data_mode", "summary_mode")
 TOP_KEYS = ("task", "dump_path", "rank", "step", "level", "framework", "enable_dataloader", "async_dump",
             "is_deterministic", "stack", "queue_size", "when_full", "strict", "risk_level",
             "predecessor_format")
+#: the predecessor's keys this dump has no counterpart for: accepted at these values (its
+#: defaults, or values that change nothing here); any other value is an error saying what to use
+PREDECESSOR_ONLY: dict[str, tuple[tuple, str]] = {
+    "precision": (("low", "high"), "statistics are accumulated in float64 here whatever the precision"),
+    "extra_info": ((True,), "the dump always writes the same fields"),
+    "dump_enable": ((None,), "switch the dump with start()/stop() and the step/rank lists"),
+    "custom_op_namespaces": ((None, []), "NPU custom operators are not captured here"),
+    "load": ((None, {}), "read a dump with msprobe_engine.dump.load_dump and feed the tensors yourself"),
+}
+PREDECESSOR_SECTION_ONLY: dict[str, tuple[tuple, str]] = {
+    "slice": ((None, []), "whole tensors are dumped; slice them after loading"),
+    "request_id": ((None,), "inference request selection is not implemented; use step/rank lists"),
+    "diff_nums": ((None, 1), "used by its overflow/nan tasks, not by the dump"),
+    "bench_path": ((None, ""), "compare two dumps with `msprobe-engine compare`"),
+    "tensor_list": ((None, []), "use task 'tensor' with a 'list' of API names"),
+}
 _RANGE_RE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
 
 DumpConfigSource = Union[str, Path, dict, "DumpConfig", None]
@@ -108,7 +125,9 @@ def _build(data: dict) -> DumpConfig:
     task = _choice(data.get("task", "statistics"), "task", TASKS, OTHER_TASKS)
     section = _section(data, task)
     for key in data:
-        if key not in TOP_KEYS and key not in SECTION_KEYS and key not in TASKS + OTHER_TASKS:
+        if key in PREDECESSOR_ONLY:
+            _predecessor_only(key, data[key], PREDECESSOR_ONLY[key])
+        elif key not in TOP_KEYS and key not in SECTION_KEYS and key not in TASKS + OTHER_TASKS:
             _unknown(key, TOP_KEYS + SECTION_KEYS + TASKS)
     _reject_unsupported(data)
     if "dump_path" not in data:
@@ -140,11 +159,21 @@ def _section(data: dict, task: str) -> dict:
     if not isinstance(section, dict):
         raise ConfigError(f"{task}: expected a mapping of {', '.join(SECTION_KEYS)}, got {section!r}")
     for key in section:
-        if key not in SECTION_KEYS:
+        if key in PREDECESSOR_SECTION_ONLY:
+            _predecessor_only(f"{task}.{key}", section[key], PREDECESSOR_SECTION_ONLY[key])
+        elif key not in SECTION_KEYS:
             _unknown(f"{task}.{key}", SECTION_KEYS, key)
         if key in data:
             raise ConfigError(f"{key}: given both at the top level and in '{task}'; keep one")
-    return {**{k: data[k] for k in SECTION_KEYS if k in data}, **section}
+    return {**{k: data[k] for k in SECTION_KEYS if k in data},
+            **{k: v for k, v in section.items() if k in SECTION_KEYS}}
+
+
+def _predecessor_only(key: str, value: Any, spec: tuple[tuple, str]) -> None:
+    accepted, instead = spec
+    if not any(value == a and type(value) is type(a) for a in accepted):
+        shown = ", ".join(json.dumps(a) for a in accepted)
+        raise ConfigError(f"{key}: {value!r} is not supported here (accepted: {shown}); {instead}")
 
 
 def _unknown(path: str, allowed: tuple[str, ...], key: str | None = None) -> None:
