@@ -174,3 +174,40 @@ def test_an_error_inside_the_tool_is_reported_and_training_goes_on(tmp_path, mon
     debugger.close()
     assert debugger.hook_errors["API"] > 1 and debugger.steps_written == 2
     assert sum("msprobe dump: error in API" in r.message for r in caplog.records) == 1
+
+
+def test_operators_are_named_as_written_and_tensor_is_restored(tmp_path):
+    originals = {name: torch.Tensor.__dict__.get(name) for name in ("__add__", "__radd__", "__iadd__", "__mul__")}
+    x, y = torch.ones(3), torch.full((3,), 2.0)
+
+    def run():
+        x + y
+        x.add(y)
+        2 * x
+        z = x.clone()
+        z += 1
+        z.add_(1)
+        z > y
+
+    data = _run(tmp_path, run, level="L1")
+    assert list(data) == ["Tensor.__add__.0.forward", "Tensor.add.0.forward", "Tensor.__rmul__.0.forward",
+                          "Tensor.__iadd__.0.forward", "Tensor.add_.0.forward", "Tensor.__gt__.0.forward"]
+    assert {name: torch.Tensor.__dict__.get(name) for name in originals} == originals  # put back at stop()
+    assert data["Tensor.__rmul__.0.forward"]["input_args"][1] == {"type": "int", "value": 2}
+
+
+def test_python_apis_record_the_arguments_as_the_caller_wrote_them(tmp_path):
+    x, w, b = torch.randn(2, 4), torch.ones(4), torch.zeros(4)
+    args = (x, [4], w, b, 1e-5)
+
+    def run():
+        F.layer_norm(x, [4], w, b, 1e-5)           # all positional (as nn.LayerNorm calls it)
+        F.layer_norm(x, [4], weight=w, eps=1e-3)   # keywords as written; bias left out
+        F.layer_norm(*args)                        # unpacked: its arguments as torch re-passes them
+
+    data = _run(tmp_path, run, level="L1")
+    first, second, third = (data[f"Functional.layer_norm.{i}.forward"] for i in range(3))
+    assert len(first["input_args"]) == 5 and first["input_kwargs"] == {}
+    assert first["input_args"][4] == {"type": "float", "value": 1e-5}
+    assert len(second["input_args"]) == 2 and list(second["input_kwargs"]) == ["weight", "eps"]
+    assert len(third["input_args"]) == 2 and list(third["input_kwargs"]) == ["weight", "bias"]  # eps: default
