@@ -229,7 +229,7 @@ def find_rank_dirs(path: Path | str) -> list[Path]:
 
 
 def load_dump(path: Path | str, strict: bool = True) -> dict[DumpKey, RankDump]:
-    """Load a rank directory or every ``step*/rank*/`` below a dump root, keyed by (step, rank).
+    """Load a rank directory or every rank directory of ``step*/`` below a dump root, keyed by (step, rank).
 
     ``step``/``rank`` are None where the directory names carry no rank (``proc<pid>`` or a bare
     ``rank`` dir of a single-process run). With ``strict`` (default) any schema problem raises
