@@ -211,3 +211,16 @@ def test_python_apis_record_the_arguments_as_the_caller_wrote_them(tmp_path):
     assert first["input_args"][4] == {"type": "float", "value": 1e-5}
     assert len(second["input_args"]) == 2 and list(second["input_kwargs"]) == ["weight", "eps"]
     assert len(third["input_args"]) == 2 and list(third["input_kwargs"]) == ["weight", "bias"]  # eps: default
+
+
+def test_a_tensor_given_twice_to_a_module_gets_its_gradient_once(tmp_path):
+    torch.manual_seed(0)
+    attn = nn.ModuleDict({"attn": nn.MultiheadAttention(4, 1, batch_first=True)})
+    x = torch.randn(1, 3, 4, requires_grad=True)
+    data = _run(tmp_path, lambda: attn["attn"](x, x, x, need_weights=False)[0].sum().backward(), attn,
+                level="L0", task="tensor")
+    rank = load_dump(tmp_path)[(0, None)]
+    grads = data["Module.attn.MultiheadAttention.backward.0"]["output"]
+    assert grads[1] is None and grads[2] is None  # not split by position: all of it in the first
+    whole = torch.load(rank.path / "dump_tensor_data" / grads[0]["data_name"], weights_only=True)
+    assert torch.equal(whole, x.grad)

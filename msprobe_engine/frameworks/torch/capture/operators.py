@@ -19,14 +19,21 @@ from msprobe_engine.frameworks.torch.capture.api import OPERATORS
 _ABSENT = object()
 
 
+def _original(name: str) -> Callable:
+    """``torch.Tensor``'s operator `name`, under the notes another session may have installed."""
+    found = getattr(torch.Tensor, name)
+    while hasattr(found, "_msprobe_original"):
+        found = found._msprobe_original
+    return found
+
+
 class OperatorNames:
     """Installs the operator notes on ``torch.Tensor`` (`install`/`remove`) and hands them out (`take`)."""
 
     def __init__(self) -> None:
         self._local = threading.local()
         self._saved: dict[str, Any] = {}
-        self._wrappers = {name: self._wrap(name, getattr(torch.Tensor, name))
-                          for name in OPERATORS if hasattr(torch.Tensor, name)}
+        self._wrappers = {name: self._wrap(name, _original(name)) for name in OPERATORS if hasattr(torch.Tensor, name)}
 
     def _wrap(self, name: str, original: Callable) -> Callable:
         local = self._local
@@ -39,6 +46,7 @@ class OperatorNames:
             finally:
                 local.name = outer
         operator.__name__ = operator.__qualname__ = name
+        operator._msprobe_original = original  # type: ignore[attr-defined]
         return operator
 
     def install(self) -> None:

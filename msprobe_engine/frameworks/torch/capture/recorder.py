@@ -6,8 +6,9 @@ its gradients have arrived), the module nesting (construct.json), call stacks on
 and the tensors' statistics rows in a `StatBuffer`. `finish_step()` makes the step's one
 host transfer and hands everything over; the JSON is built on the writer thread.
 
-Names follow the predecessor: ``Module.<path>.<Class>.forward.<n>`` / ``.backward.<n>`` /
-``.parameters_grad``, ``<Prefix>.<api>.<n>.forward`` / ``.backward``; counters restart every
+Names follow the predecessor (mindstudio-probe 26.2): ``Module.<path>.<Class>.forward.<n>`` /
+``.backward.<n>`` / ``.parameters_grad.<n>`` (1.x: no counter), ``<Prefix>.<api>.<n>.forward`` /
+``.backward``, Tensor operators by their dunder (``Tensor.__add__``); counters restart every
 step and count every call made while collecting, dumped or not, so names are stable under
 ``list`` and ``scope``. Calls during a backward pass (checkpoint recomputation) are skipped.
 """
@@ -17,14 +18,14 @@ import logging
 import os
 import sys
 import threading
+from functools import partial
 from typing import Any, Callable
 
 import torch
 
 from msprobe_engine.collect.flatten import iter_tensors
-from functools import partial
-
-from msprobe_engine.frameworks.torch.capture.api import ApiCatalog, ApiInfo, risk_allows, writes_unknown, written_tensors
+from msprobe_engine.frameworks.torch.capture.api import (ApiCatalog, ApiInfo, risk_allows, writes_unknown,
+                                                         written_tensors)
 from msprobe_engine.frameworks.torch.capture.call_shape import as_called
 from msprobe_engine.frameworks.torch.capture.backward import GradCall, after_call, before_call, in_backward
 from msprobe_engine.dump.config import DumpConfig
