@@ -224,3 +224,20 @@ def test_a_tensor_given_twice_to_a_module_gets_its_gradient_once(tmp_path):
     assert grads[1] is None and grads[2] is None  # not split by position: all of it in the first
     whole = torch.load(rank.path / "dump_tensor_data" / grads[0]["data_name"], weights_only=True)
     assert torch.equal(whole, x.grad)
+
+
+@pytest.mark.parametrize("config, names", [
+    ({}, ["Functional.linear.0.forward", "Torch.tanh.0.forward"]),                      # FOCUS (default)
+    ({"risk_level": "CORE"}, ["Functional.linear.0.forward"]),
+    ({"risk_level": "ALL"}, ["Torch.zeros_like.0.forward", "Tensor.reshape.0.forward",
+                             "Functional.linear.0.forward", "Torch.tanh.0.forward"]),
+    ({"risk_level": "CORE", "list": ["reshape"]}, ["Tensor.reshape.0.forward"]),      # a list decides alone
+])
+def test_risk_level_picks_apis_as_the_predecessor(tmp_path, config, names):
+    x, w = torch.randn(2, 3), torch.randn(4, 6)
+
+    def run():
+        torch.zeros_like(x)
+        torch.tanh(F.linear(x.reshape(1, 6), w))
+
+    assert list(_run(tmp_path, run, level="L1", **config)) == names

@@ -366,8 +366,10 @@ class Recorder:
         return output
 
     def _records(self, info: ApiInfo) -> bool:
-        """Whether calls of this API are recorded (with no ``list``: by ``risk_level``)."""
-        return info.dump and (bool(self.config.api_list) or risk_allows(self.config.risk_level, info))
+        """Whether calls of this API are recorded (with no ``list`` or ``scope``: by ``risk_level``,
+        as the predecessor decides)."""
+        selected = bool(self.config.api_list) or self.config.scope is not None
+        return info.dump and (selected or risk_allows(self.config.risk_level, info))
 
     def _call_done(self, call: _Call, output: Any, params: dict[str, Any] | None = None) -> None:
         """Close a module or API call: its forward entry, then its backward watch."""
