@@ -170,6 +170,9 @@ def test_mix_records_the_nesting_in_construct_json_and_stacks_on_request(tmp_pat
     assert construct["Functional.relu.0.backward"] == "Module.act.1.ReLU.backward.0"
     assert construct["Module.act.1.ReLU.backward.0"] == "Module.act.Sequential.backward.0"
     assert {"Module.fc.Linear.parameters_grad.0", "Tensor.sum.0.backward"} <= set(doc["data"])
+    raw = json.loads((rank_dir / "stack.json").read_text())  # grouped: {"0": [[entries], [frames]], ...}
+    assert list(raw) == [str(i) for i in range(len(raw))] and all(len(v) == 2 for v in raw.values())
+    assert sum(len(names) for names, _ in raw.values()) == len({n for names, _ in raw.values() for n in names})
     stacks = load_dump(rank_dir)[(0, None)].stack()
     assert set(stacks) == {n for n in doc["data"] if n.endswith("forward") or ".forward." in n}
     frame = next(f for f in stacks["Torch.tanh.0.forward"] if "test_dump_format.py" in f)
