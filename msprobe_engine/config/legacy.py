@@ -16,7 +16,7 @@ from msprobe_engine.config.errors import ConfigError
 
 log = logging.getLogger("msprobe_engine")
 
-#: predecessor op name -> our statistic name (None: not a statistic here, see NOT_MEASURED_OPS)
+#: predecessor op name -> our statistic name
 LEGACY_OPS = {"min": "min", "max": "max", "mean": "mean", "norm": "norm",
               "nans": "nan_count", "zeros": "zero_frac"}
 #: its ops that are tensor metadata, not statistics: accepted, not measured
