@@ -131,3 +131,15 @@ def test_our_tensor_dump_in_its_compare_has_cosine_one(dumps, tmp_path):
     assert (tensors["MaxAbsErr"].astype(float) == 0.0).all()
     vectors = tensors[tensors["NPU Tensor Shape"] != "[]"]  # its cosine is "unsupported" for scalars
     assert len(vectors) > 100 and (vectors["Cosine"].astype(float) == 1.0).all()
+
+
+def test_our_compare_pairs_its_dump_with_our_1x_spelling(dumps, tmp_path):
+    with PrecisionDebugger({**dump_config(tmp_path, "L0"), "predecessor_format": "1.x"}) as debugger:
+        train_step(debugger)
+    assert [p.name for p in (tmp_path / "step0").iterdir()] == ["rank"]
+    comp = compare_dumps(dumps["theirs"]["L0"].parent, tmp_path)
+    (rank,) = comp.ranks
+    grads = sum(1 for n in load_dump(tmp_path)[(0, None)].data if n.endswith(".parameters_grad"))
+    assert grads == 4 and rank.matched_by["spelling"] == grads  # parameters_grad.0 (26.2) = parameters_grad (1.x)
+    assert not rank.only_a and not rank.only_b
+    assert rank.counts["pass"] == sum(rank.counts.values())
