@@ -36,7 +36,7 @@ def _write_json(obj: Any, target: str) -> None:
 def _analyze_arguments(p: argparse.ArgumentParser) -> None:
     from msprobe_engine.analysis.overflow import MUTATION_RATIO
 
-    p.add_argument("dump", help="a rank directory (with dump.json) or a dump root with step*/rank*/")
+    p.add_argument("dump", help="a rank directory (with dump.json; rank<N>, proc<pid> or rank) or a dump root with step*/ below")
     p.add_argument("--rules", action="append", default=[], metavar="YAML",
                    help="extra ignore rules (same layout as the packaged ignore_rules.yaml); repeatable")
     p.add_argument("--mutation-ratio", type=float, default=MUTATION_RATIO,

@@ -2,7 +2,7 @@
 
     from dump_helpers import tiny_gpt_dump
     root = tiny_gpt_dump(tmp_path / "run", steps=3, level="mix", inject_layer="layers.1.mlp", inject_step=1)
-    dumps = load_dump(root)        # {(step, None): RankDump}; single process: step{N}/rank/
+    dumps = load_dump(root)        # {(step, None): RankDump}; single process: step{N}/proc<pid>/
 
 `inject_layer` makes that module emit nan (or inf, or a x1000 spike: `kind`) at optimizer
 step `inject_step` (examples.tiny_gpt.inject). Small model sizes keep a step at a few ms.

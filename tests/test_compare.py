@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import math
 
@@ -12,7 +11,8 @@ import torch
 
 from dumpgen import build_dump, stat_record, write_dump_json
 from msprobe_engine.analysis import Thresholds, compare_dumps, tensor_metrics
-from msprobe_engine.analysis.match import match_entries
+from msprobe_engine.analysis.compare import COLUMNS
+from msprobe_engine.analysis.match import count_by_pass, match_entries
 from msprobe_engine.cli import main
 
 
@@ -93,19 +93,32 @@ def test_clean_vs_injected_names_the_layer(tmp_path, task, mode):
     assert same.first_error is None and same.ranks[0].counts["pass"] == len(same.rows)
 
 
-def test_shifted_call_counters_fall_back_to_call_site_and_order():
-    a = ["Functional.relu.0.forward", "Tensor.add.0.forward", "Functional.relu.1.forward", "Tensor.add.1.forward"]
-    b = ["Functional.relu.0.forward", "Functional.relu.1.forward", "Tensor.add.0.forward",
-         "Functional.relu.2.forward", "Tensor.add.1.forward"]
-    pairs, fallback = match_entries(a, b)
+def test_passes_name_then_site_then_order_then_signature():
+    a = ["Functional.relu.0.forward", "Tensor.__add__.0.forward", "Tensor.__iadd__.0.forward",
+         "Module.fc.Linear.parameters_grad", "Torch.mm.3.forward", "Torch.mm.4.forward", "Functional.gelu.0.forward"]
+    b = ["Functional.relu.0.forward", "Tensor.add.0.forward", "Tensor.add_.0.forward",
+         "Module.fc.Linear.parameters_grad.0", "Torch.mm.0.forward", "Torch.mm.1.forward",
+         "Functional.silu.0.forward", "Torch.zeros.0.forward"]
+    small, large = stat_record(1.0, 0.0, 0.5, 1.0, shape=[2]), stat_record(9.0, 0.0, 4.0, 9.0, shape=[2])
+    data_a = {n: {"output": [small]} for n in a} | {"Functional.gelu.0.forward": {"output": [large]}}
+    data_b = {n: {"output": [small]} for n in b} | {"Functional.silu.0.forward": {"output": [large]},
+                                                     "Torch.zeros.0.forward": {"output": [small]}}
+    pairs, fallback = match_entries(a, b, data_a, data_b)
     assert fallback
     assert [(p.a, p.b, p.how) for p in pairs] == [
         ("Functional.relu.0.forward", "Functional.relu.0.forward", "name"),
-        (None, "Functional.relu.1.forward", "only_b"),
-        ("Tensor.add.0.forward", "Tensor.add.0.forward", "name"),
-        ("Functional.relu.1.forward", "Functional.relu.2.forward", "order"),
-        ("Tensor.add.1.forward", "Tensor.add.1.forward", "name"),
+        ("Tensor.__add__.0.forward", "Tensor.add.0.forward", "order"),     # x + y is x.add(y)
+        ("Tensor.__iadd__.0.forward", "Tensor.add_.0.forward", "order"),   # x += y is x.add_(y)
+        ("Module.fc.Linear.parameters_grad", "Module.fc.Linear.parameters_grad.0", "spelling"),  # 1.x vs 26.2
+        ("Torch.mm.3.forward", "Torch.mm.0.forward", "order"),             # counters shifted: call order
+        ("Torch.mm.4.forward", "Torch.mm.1.forward", "order"),
+        ("Functional.gelu.0.forward", "Functional.silu.0.forward", "signature"),  # same tensors, same values
+        (None, "Torch.zeros.0.forward", "only_b"),  # values 9x apart from gelu's: left unmatched
     ]
+    assert count_by_pass(pairs) == {"name": 1, "spelling": 1, "site": 0, "order": 4, "signature": 1,
+                                    "only_a": 0, "only_b": 1}
+    single, _ = match_entries(["Functional.relu.5.forward"], ["Functional.relu.2.forward"])
+    assert [(p.a, p.b, p.how) for p in single] == [("Functional.relu.5.forward", "Functional.relu.2.forward", "site")]
     same, fallback = match_entries(a, a)
     assert not fallback and all(p.how == "name" and p.a == p.b for p in same)
 
@@ -118,7 +131,10 @@ def test_compare_reports_unmatched_and_repaired(tmp_path):
     write_dump_json(tmp_path / "b", {"Torch.zeros.0.forward": {"output": [rec]}, "Functional.relu.0.forward": entry,
                                      "Functional.relu.1.forward": shifted, "Functional.relu.2.forward": entry})
     (rank,) = compare_dumps(tmp_path / "a", tmp_path / "b").ranks
-    assert rank.order_fallback and rank.only_b == ["Torch.zeros.0.forward", "Functional.relu.2.forward"]
+    # exact names pair first: the extra call in B (relu.2) and zeros stay unmatched
+    assert not rank.order_fallback and rank.only_b == ["Torch.zeros.0.forward", "Functional.relu.2.forward"]
+    assert rank.matched_by == {"name": 2, "spelling": 0, "site": 0, "order": 0, "signature": 0,
+                               "only_a": 0, "only_b": 2}
     assert rank.counts == {"pass": 3, "warning": 0, "error": 1, "unmatched": 3}
     assert rank.first_error["reason"] == "Max relative error 1 > 0.5"
 
@@ -170,12 +186,22 @@ def test_cli_compare_csv_and_errors(tmp_path, capsys):
         main(["compare", str(clean), str(bad), "--threshold", "nope=1"])
 
 
-@pytest.mark.skipif(importlib.util.find_spec("openpyxl") is not None, reason="openpyxl is installed")
-def test_xlsx_without_openpyxl_is_a_clear_error(tmp_path, capsys):
+def test_xlsx_output_holds_the_csv_rows(tmp_path):
+    from openpyxl import load_workbook  # always in the test environment
+
     clean = build_dump(tmp_path / "clean", task="statistics")
     assert main(["compare", str(clean), str(clean), "-o", str(tmp_path / "r.csv"),
-                 "--xlsx", str(tmp_path / "r.xlsx")]) == 1
-    assert "xlsx output needs openpyxl" in capsys.readouterr().err
+                 "--xlsx", str(tmp_path / "r.xlsx")]) == 0
+    with open(tmp_path / "r.csv", newline="", encoding="utf-8") as f:
+        csv_rows = list(csv.reader(f))
+    sheet = load_workbook(tmp_path / "r.xlsx", read_only=True)["compare"]
+    xlsx_rows = [["" if v is None else str(v) for v in row] for row in sheet.iter_rows(values_only=True)]
+    assert xlsx_rows[0] == csv_rows[0] == COLUMNS and len(xlsx_rows) == len(csv_rows) > 1
+    status = COLUMNS.index("status")
+    assert [r[status] for r in xlsx_rows[1:]] == [r[status] for r in csv_rows[1:]] and \
+        {r[status] for r in xlsx_rows[1:]} == {"pass"}
+    entry = COLUMNS.index("entry_a")
+    assert [r[entry] for r in xlsx_rows[1:]] == [r[entry] for r in csv_rows[1:]]
 
 
 def _with_nonfinite(x: np.ndarray) -> np.ndarray:

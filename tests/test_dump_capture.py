@@ -79,7 +79,7 @@ def test_in_place_code_keeps_working_and_gradients_are_exact(tmp_path):
     h = model.fc(x).detach()
     assert fc_out["Min"] == h.min().item()  # measured before `h += 1` changed it
     assert relu_in["Min"] == (h + 1).min().item()  # measured before the in-place ReLU
-    assert data["Tensor.add_.0.forward"]["input_args"][0]["Max"] == h.max().item()
+    assert data["Tensor.__iadd__.0.forward"]["input_args"][0]["Max"] == h.max().item()
 
     def grad(entry, role, i=0):
         name = data[entry][role][i]["data_name"]
@@ -89,8 +89,10 @@ def test_in_place_code_keeps_working_and_gradients_are_exact(tmp_path):
     assert torch.equal(grad("Module.fc.Linear.backward.0", "input"), 2 * relu_mask)
     assert torch.allclose(grad("Module.fc.Linear.backward.0", "output"), (2 * relu_mask) @ model.fc.weight)
     assert torch.allclose(grad("Module.fc.Linear.backward.0", "output"), x.grad)
-    assert torch.equal(grad("Module.fc.Linear.parameters_grad", "weight"), model.fc.weight.grad)
-    assert torch.equal(grad("Functional.linear.0.backward", "output", 1), model.fc.weight.grad)
+    assert torch.equal(grad("Module.fc.Linear.parameters_grad.0", "weight"), model.fc.weight.grad)
+    # an API's backward: the gradients out of the node that made its output, as the predecessor
+    # records them (addmm: bias, input, weight.t())
+    assert torch.equal(grad("Functional.linear.0.backward", "output", 2), model.fc.weight.grad.t())
 
 
 def test_checkpoint_recomputation_is_not_recorded_twice(tmp_path):
@@ -100,18 +102,21 @@ def test_checkpoint_recomputation_is_not_recorded_twice(tmp_path):
     x = torch.randn(2, 4, requires_grad=True)
     data = _run(tmp_path, lambda: checkpoint(block, x, use_reentrant=False).sum().backward(), outer, level="mix")
     assert [n for n in data if n.startswith("Module.block.0")] == [
-        "Module.block.0.Linear.forward.0", "Module.block.0.Linear.backward.0", "Module.block.0.Linear.parameters_grad"]
+        "Module.block.0.Linear.forward.0", "Module.block.0.Linear.backward.0", "Module.block.0.Linear.parameters_grad.0"]
     assert "Functional.linear.1.forward" not in data and "Functional.linear.0.backward" in data
 
 
 def test_steps_ranks_counters_and_list(tmp_path):
-    root = tiny_gpt_dump(tmp_path / "a", steps=3, level="L1", step=[1, 2], list=["layer_norm", "Tensor.add.1.forward"])
+    root = tiny_gpt_dump(tmp_path / "a", steps=3, level="L1", step=[1, 2],
+                         list=["layer_norm", "Tensor.__add__.1.forward"])
     dumps = load_dump(root)
     assert sorted(dumps) == [(1, None), (2, None)]
     names = list(dumps[(2, None)].data)
-    assert names[:3] == ["Functional.layer_norm.0.forward", "Tensor.add.1.forward", "Functional.layer_norm.1.forward"]
-    assert {n.split(".")[1] for n in names} == {"layer_norm", "add"}
-    assert "Tensor.add.1.backward" not in names and "Functional.layer_norm.0.backward" in names
+    # `x + y` is Tensor.__add__ (0: embedding + position, 1: the first residual)
+    assert names[:3] == ["Functional.layer_norm.0.forward", "Tensor.__add__.1.forward",
+                         "Functional.layer_norm.1.forward"]
+    assert {n.split(".")[1] for n in names} == {"layer_norm", "__add__"}
+    assert "Tensor.__add__.1.backward" not in names and "Functional.layer_norm.0.backward" in names
 
 
 def test_scope_bounds_a_range_in_execution_order(tmp_path):
@@ -139,7 +144,8 @@ def test_injected_nan_shows_in_the_dump(tmp_path):
     name = "Module.layers.1.mlp.Sequential.forward.0"
     assert before[name]["output"][0]["Max"] == before[name]["output"][0]["Max"]
     assert after[name]["output"][0]["Max"] != after[name]["output"][0]["Max"]  # nan
-    text = (root / "step1" / "rank" / "dump.json").read_text()
+    (file,) = (root / "step1").glob("proc*/dump.json")
+    text = file.read_text()
     assert "NaN" in text and json.loads(text)["level"] == "L0"
 
 
@@ -168,3 +174,70 @@ def test_an_error_inside_the_tool_is_reported_and_training_goes_on(tmp_path, mon
     debugger.close()
     assert debugger.hook_errors["API"] > 1 and debugger.steps_written == 2
     assert sum("msprobe dump: error in API" in r.message for r in caplog.records) == 1
+
+
+def test_operators_are_named_as_written_and_tensor_is_restored(tmp_path):
+    originals = {name: torch.Tensor.__dict__.get(name) for name in ("__add__", "__radd__", "__iadd__", "__mul__")}
+    x, y = torch.ones(3), torch.full((3,), 2.0)
+
+    def run():
+        x + y
+        x.add(y)
+        2 * x
+        z = x.clone()
+        z += 1
+        z.add_(1)
+        z > y
+
+    data = _run(tmp_path, run, level="L1")
+    assert list(data) == ["Tensor.__add__.0.forward", "Tensor.add.0.forward", "Tensor.__rmul__.0.forward",
+                          "Tensor.__iadd__.0.forward", "Tensor.add_.0.forward", "Tensor.__gt__.0.forward"]
+    assert {name: torch.Tensor.__dict__.get(name) for name in originals} == originals  # put back at stop()
+    assert data["Tensor.__rmul__.0.forward"]["input_args"][1] == {"type": "int", "value": 2}
+
+
+def test_python_apis_record_the_arguments_as_the_caller_wrote_them(tmp_path):
+    x, w, b = torch.randn(2, 4), torch.ones(4), torch.zeros(4)
+    args = (x, [4], w, b, 1e-5)
+
+    def run():
+        F.layer_norm(x, [4], w, b, 1e-5)           # all positional (as nn.LayerNorm calls it)
+        F.layer_norm(x, [4], weight=w, eps=1e-3)   # keywords as written; bias left out
+        F.layer_norm(*args)                        # unpacked: its arguments as torch re-passes them
+
+    data = _run(tmp_path, run, level="L1")
+    first, second, third = (data[f"Functional.layer_norm.{i}.forward"] for i in range(3))
+    assert len(first["input_args"]) == 5 and first["input_kwargs"] == {}
+    assert first["input_args"][4] == {"type": "float", "value": 1e-5}
+    assert len(second["input_args"]) == 2 and list(second["input_kwargs"]) == ["weight", "eps"]
+    assert len(third["input_args"]) == 2 and list(third["input_kwargs"]) == ["weight", "bias"]  # eps: default
+
+
+def test_a_tensor_given_twice_to_a_module_gets_its_gradient_once(tmp_path):
+    torch.manual_seed(0)
+    attn = nn.ModuleDict({"attn": nn.MultiheadAttention(4, 1, batch_first=True)})
+    x = torch.randn(1, 3, 4, requires_grad=True)
+    data = _run(tmp_path, lambda: attn["attn"](x, x, x, need_weights=False)[0].sum().backward(), attn,
+                level="L0", task="tensor")
+    rank = load_dump(tmp_path)[(0, None)]
+    grads = data["Module.attn.MultiheadAttention.backward.0"]["output"]
+    assert grads[1] is None and grads[2] is None  # not split by position: all of it in the first
+    whole = torch.load(rank.path / "dump_tensor_data" / grads[0]["data_name"], weights_only=True)
+    assert torch.equal(whole, x.grad)
+
+
+@pytest.mark.parametrize("config, names", [
+    ({}, ["Functional.linear.0.forward", "Torch.tanh.0.forward"]),                      # FOCUS (default)
+    ({"risk_level": "CORE"}, ["Functional.linear.0.forward"]),
+    ({"risk_level": "ALL"}, ["Torch.zeros_like.0.forward", "Tensor.reshape.0.forward",
+                             "Functional.linear.0.forward", "Torch.tanh.0.forward"]),
+    ({"risk_level": "CORE", "list": ["reshape"]}, ["Tensor.reshape.0.forward"]),      # a list decides alone
+])
+def test_risk_level_picks_apis_as_the_predecessor(tmp_path, config, names):
+    x, w = torch.randn(2, 3), torch.randn(4, 6)
+
+    def run():
+        torch.zeros_like(x)
+        torch.tanh(F.linear(x.reshape(1, 6), w))
+
+    assert list(_run(tmp_path, run, level="L1", **config)) == names

@@ -24,7 +24,8 @@ def test_predecessor_config_file(tmp_path):
     assert (cfg.task, cfg.level, cfg.ranks, cfg.steps) == ("tensor", "mix", None, frozenset({0, 2, 4, 5, 6}))
     assert cfg.scope == ("Module.a.Linear.forward.0", "Module.b.Linear.backward.0")
     assert cfg.api_list == ("relu", "Tensor.add.1.forward") and cfg.data_mode == {"forward", "input"}
-    assert (cfg.summary_mode, cfg.when_full, cfg.stack) == ("statistics", "wait", False)
+    assert (cfg.summary_mode, cfg.when_full, cfg.stack) == ("statistics", "wait", True)  # stack.json by default
+    assert (cfg.risk_level, cfg.predecessor_format) == ("FOCUS", "26.2")
     assert PrecisionDebugger(config_path=file, step=[1]).config.steps == {1}  # the predecessor's keyword
     flat = load_dump_config({"dump_path": "d"}, level="L0", step=["3"], summary_mode="md5")
     assert (flat.task, flat.level, flat.steps, flat.summary_mode) == ("statistics", "L0", {3}, "md5")

@@ -202,3 +202,27 @@ def test_non_tensor_pickle_is_refused(tmp_path):
     shutil.copy(Path(__file__), tdir / "obj.pt")
     with pytest.raises(DumpError, match="cannot load tensor"):
         dump.load_tensor(ref)
+
+
+def test_every_rank_directory_layout_and_both_stack_forms_are_read(tmp_path):
+    rec = stat_record(1.0, 0.0, 0.5, 1.0)
+    entry = {"input_args": [rec], "input_kwargs": {}, "output": [rec]}
+    write_dump_json(tmp_path / "ours" / "step0" / "proc4242", {"Torch.add.0.forward": entry})   # 26.2
+    write_dump_json(tmp_path / "ours" / "step1" / "proc4242", {"Torch.add.0.forward": entry})
+    write_dump_json(tmp_path / "old" / "step0" / "rank", {"Torch.add.0.forward": entry})       # 1.x
+    write_dump_json(tmp_path / "dist" / "step0" / "rank3", {"Torch.add.0.forward": entry})     # distributed
+    assert sorted(load_dump(tmp_path / "ours")) == [(0, None), (1, None)]
+    assert list(load_dump(tmp_path / "old")) == [(0, None)] and list(load_dump(tmp_path / "dist")) == [(0, 3)]
+    assert list(load_dump(tmp_path / "ours" / "step1")) == [(1, None)]
+    grouped = {"0": [["Torch.add.0.forward", "Torch.mul.0.forward"], ["File a.py, line 1, in f, \n x"]],
+               "1": [["Torch.sub.0.forward"], ["File b.py, line 2, in g, \n y"]]}
+    (tmp_path / "ours" / "step0" / "proc4242" / "stack.json").write_text(json.dumps(grouped))
+    (tmp_path / "old" / "step0" / "rank" / "stack.json").write_text(json.dumps({"Torch.add.0.forward": ["f"]}))
+    stack = load_dump(tmp_path / "ours")[(0, None)].stack()
+    assert stack == {"Torch.add.0.forward": ["File a.py, line 1, in f, \n x"],
+                     "Torch.mul.0.forward": ["File a.py, line 1, in f, \n x"],
+                     "Torch.sub.0.forward": ["File b.py, line 2, in g, \n y"]}
+    assert load_dump(tmp_path / "old")[(0, None)].stack() == {"Torch.add.0.forward": ["f"]}
+    (tmp_path / "empty" / "step0" / "procs").mkdir(parents=True)  # not a rank directory name
+    with pytest.raises(DumpError, match="no dump.json here and no step\\*/rank\\*/, step\\*/proc\\*/"):
+        load_dump(tmp_path / "empty")

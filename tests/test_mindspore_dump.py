@@ -58,7 +58,7 @@ def test_a_statistics_dump_has_the_reference_mindspore_format_and_reads_back(tmp
     dumps = load_dump(tmp_path)
     assert sorted(dumps) == [(0, None), (1, None)]
     dump = dumps[(1, None)]
-    doc = json.loads((tmp_path / "step1" / "rank" / "dump.json").read_text())
+    doc = json.loads(dump.dump_json.read_text())
     assert validate_dump_json(doc) == [] and dump.problems == []
     assert (doc["task"], doc["level"], doc["framework"]) == ("statistics", "L0", "mindspore")
     names = list(doc["data"])
@@ -159,7 +159,7 @@ def test_the_incident_dump_of_a_mindspore_monitor_has_the_mindspore_format(tmp_p
         opt(grads)
         monitor.step_end(loss, grads)
     monitor.close()
-    (path,) = tmp_path.glob("incidents/*/dump/step1/rank/dump.json")
+    (path,) = tmp_path.glob("incidents/*/dump/step1/proc*/dump.json")
     doc = json.loads(path.read_text())
     assert validate_dump_json(doc) == [] and doc["framework"] == "mindspore"
     assert "Cell.fc1.Dense.parameters_grad" in doc["data"] and POISON in doc["data"]

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from msprobe_engine.analysis.match import match_entries
+from msprobe_engine.analysis.match import count_by_pass, match_entries
 from msprobe_engine.analysis.metrics import nonfinite_disagree, stat_differences, tensor_metrics
 from msprobe_engine.analysis.progress import Progress
 from msprobe_engine.dump.reader import DumpError, RankDump, load_dump
@@ -49,6 +49,7 @@ class RankComparison:
     rank: int | None
     mode: str
     order_fallback: bool = False
+    matched_by: dict[str, int] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STATUSES, 0))
     only_a: list[str] = field(default_factory=list)
     only_b: list[str] = field(default_factory=list)
@@ -155,7 +156,8 @@ def _load_pair(job: _Job, dump_a: RankDump, dump_b: RankDump, tensor_mode: bool)
 
 
 def _jobs(summary: RankComparison, dump_a: RankDump, dump_b: RankDump, progress: Progress) -> Iterator[_Job]:
-    pairs, summary.order_fallback = match_entries(list(dump_a.data), list(dump_b.data))
+    pairs, summary.order_fallback = match_entries(list(dump_a.data), list(dump_b.data), dump_a.data, dump_b.data)
+    summary.matched_by = count_by_pass(pairs)
     progress.start(len(pairs))
     for order, pair in enumerate(pairs):
         progress.update(order + 1)
@@ -163,7 +165,7 @@ def _jobs(summary: RankComparison, dump_a: RankDump, dump_b: RankDump, progress:
             summary.only_a.append(pair.a)
         elif pair.how == "only_b":
             summary.only_b.append(pair.b)
-        elif pair.how == "order":
+        elif pair.how != "name":
             summary.repaired.append((pair.a, pair.b))
         refs_a = {r.label: r for r in iter_tensors(pair.a, dump_a.data[pair.a])} if pair.a else {}
         refs_b = {r.label: r for r in iter_tensors(pair.b, dump_b.data[pair.b])} if pair.b else {}

@@ -103,7 +103,8 @@ def format_comparison(comp: Comparison) -> str:
             w = r.first_warning
             lines.append(f"  first warning: {w['entry_a'] or w['entry_b']} {w['tensor']}: {w['reason']}")
         if r.order_fallback:
-            lines.append(f"  names differ: matched by call site and order ({len(r.repaired)} re-paired)")
+            passes = ", ".join(f"{k} {n}" for k, n in r.matched_by.items() if n and not k.startswith("only"))
+            lines.append(f"  names differ: entries matched by {passes}")
         lines += [f"  only in A: {n}" for n in r.only_a] + [f"  only in B: {n}" for n in r.only_b]
         lines += [f"  problem: {p}" for p in r.problems]
     lines += [f"problem: {p}" for p in comp.problems]

@@ -1,25 +1,52 @@
-"""Accept the predecessor's monitor config spelling (msprobe `monitor` JSON).
+"""Accept the predecessor's monitor config spelling (msprobe `monitor` JSON, mindstudio-probe 26.2).
 
-`translate_legacy` rewrites the predecessor's keys into ours; the table in
-README ("Predecessor keys") documents the same mapping. Mixing a legacy key
-with the key it maps to is an error, so no setting is silently overridden.
+`translate_legacy` rewrites the predecessor's keys into ours; docs/predecessor.md
+documents the same mapping. Mixing a legacy key with the key it maps to is an
+error, so no setting is silently overridden. Its keys for what is not measured
+here (`NOT_MEASURED`) load: at their default value silently, otherwise with one
+warning saying so and what to use instead.
 """
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
 from msprobe_engine.config.errors import ConfigError
 
+log = logging.getLogger("msprobe_engine")
+
 #: predecessor op name -> our statistic name
 LEGACY_OPS = {"min": "min", "max": "max", "mean": "mean", "norm": "norm",
               "nans": "nan_count", "zeros": "zero_frac"}
-#: predecessor rule name -> factor derived from its threshold
-LEGACY_RULES = ("AnomalyTurbulence",)
+#: its ops that are tensor metadata, not statistics: accepted, not measured
+NOT_MEASURED_OPS = {"id": "tags name every tensor", "shape": "dumps record shapes",
+                    "dtype": "dumps record dtypes"}
+#: predecessor rule names (alert.rules[].rule_name)
+LEGACY_RULES = ("AnomalyTurbulence", "AnomalyNan")
+#: its keys for what is not measured here: (default value, what to use instead)
+NOT_MEASURED: dict[str, tuple[Any, str]] = {
+    "mg_direction": (False, "the sign agreement of momentum and gradient is not measured; "
+                            "watch.optimizer_state [exp_avg] and watch.param_grads give both"),
+    "cc_distribution": ({}, "collectives are not watched by the monitor; dump them (level L1) instead"),
+    "stack_info": (False, "the dump writes stack.json"),
+    "print_struct": (False, "module paths are the tags' <path> part"),
+    "monitor_mbs_grad": (False, "gradients are watched once per optimizer step"),
+    "recording_l2_features": (False, "use watch.module_inputs / module_outputs"),
+    "l2_targets": ({}, "use modules.names"),
+    "append_output": ([], "runs append to output_dir by their own directory"),
+    "squash_name": (False, "tags keep the full module path"),
+    "sa_order": ("s,b,h,d", "attention layouts are not split here"),
+    "eps": (1e-8, "statistics need no epsilon here"),
+    "ndigits": (6, "values are written at full precision"),
+    "step_count_per_record": (1, "every monitored step is one record"),
+    "dynamic_on": (False, "change the schedule in the config"),
+}
 
 LEGACY_KEYS = ("targets", "all_xy", "xy_distribution", "forward_only", "backward_only",
                "wg_distribution", "param_distribution", "mv_distribution", "ur_distribution",
-               "ops", "format", "start_step", "step_interval", "collect_times", "alert")
+               "ops", "format", "start_step", "step_interval", "collect_times", "alert",
+               "module_ranks", *NOT_MEASURED)
 
 
 def translate_legacy(data: dict) -> dict:
@@ -58,19 +85,38 @@ def translate_legacy(data: dict) -> dict:
     if "mv_distribution" in data or "ur_distribution" in data:
         put("watch", "optimizer_state", states, "mv_distribution")
     if "ops" in data:
-        put(None, "stats", [_legacy_op(op, i) for i, op in enumerate(data["ops"])], "ops")
+        put(None, "stats", _legacy_ops(data["ops"]), "ops")
     if "format" in data:
         put(None, "sinks", [_legacy_format(data["format"])], "format")
     _translate_schedule(data, put)
     if "alert" in data:
         put(None, "alerts", _legacy_alerts(data["alert"]), "alert")
+        if isinstance(data["alert"], dict) and "dump" in data["alert"]:
+            put("incidents", "enabled", data["alert"]["dump"], "alert.dump")
+    if data.get("module_ranks"):
+        raise ConfigError(f"module_ranks: {data['module_ranks']!r} is not supported here; rank 0 writes, "
+                          "or every rank with per_rank: true")
+    for key, (default, instead) in NOT_MEASURED.items():
+        value = data.get(key, default)
+        if value != default and not (isinstance(value, dict) and value.get("enable") is False):
+            log.warning("msprobe monitor: predecessor key %s=%r is accepted but not measured here: %s",
+                        key, data[key], instead)
     return out
 
 
-def _legacy_op(op: Any, index: int) -> Any:
-    if op in LEGACY_OPS:
-        return LEGACY_OPS[op]
-    raise ConfigError(f"ops[{index}]: {op!r} is not one of {', '.join(LEGACY_OPS)}")
+def _legacy_ops(ops: Any) -> list[str]:
+    if not isinstance(ops, list):
+        raise ConfigError(f"ops: expected a list, got {ops!r}")
+    stats = []
+    for index, op in enumerate(ops):
+        if op in NOT_MEASURED_OPS:
+            log.warning("msprobe monitor: predecessor op %r is accepted but not a statistic here (%s)",
+                        op, NOT_MEASURED_OPS[op])
+        elif op in LEGACY_OPS:
+            stats.append(LEGACY_OPS[op])
+        else:
+            raise ConfigError(f"ops[{index}]: {op!r} is not one of {', '.join([*LEGACY_OPS, *NOT_MEASURED_OPS])}")
+    return stats
 
 
 def _legacy_format(fmt: Any) -> Any:
@@ -100,6 +146,15 @@ def _legacy_alerts(alert: Any) -> list[dict]:
         name = rule.get("rule_name") if isinstance(rule, dict) else None
         if name not in LEGACY_RULES:
             raise ConfigError(f"alert.rules[{i}].rule_name: {name!r} is not one of {', '.join(LEGACY_RULES)}")
-        threshold = rule.get("args", {}).get("threshold", 0.5)
+        args = rule.get("args") or {}
+        if not isinstance(args, dict):
+            raise ConfigError(f"alert.rules[{i}].args: expected a mapping, got {args!r}")
+        if name == "AnomalyNan":  # nan (always watched: non_finite), optionally |value| > threshold
+            if args.get("threshold") is not None:
+                log.warning("msprobe monitor: AnomalyNan's threshold %r is not supported here (no absolute "
+                            "limits); nan/inf are watched by the non_finite rule, use a spike rule for "
+                            "jumps", args["threshold"])
+            continue
+        threshold = args.get("threshold", 0.5)
         rules.append({"rule": "spike", "metrics": ["*"], "factor": 1.0 + float(threshold)})
     return rules

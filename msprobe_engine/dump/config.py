@@ -8,13 +8,19 @@ Accepted layout (the predecessor's)::
 The section named after the task (``statistics`` or ``tensor``) holds scope/list/data_mode/
 summary_mode; those keys may also be given at the top level. The debugger tasks
 (overflow_check, grad_probe, free_benchmark, diff_check) have their own keys in their section,
-see `msprobe_engine.dump.tasks`. Sections of the predecessor's other tasks are ignored. Our own keys: ``stack`` (write stack.json), ``queue_size`` and
+see `msprobe_engine.dump.tasks`. Sections of the predecessor's other tasks are ignored.
+``risk_level`` (the predecessor's key: CORE, FOCUS (its default) or ALL) picks the APIs recorded
+at L1/mix. Our own keys: ``predecessor_format`` (``"26.2"``, the default: ``proc<pid>/``
+directories and names as mindstudio-probe 26.2 writes them; ``"1.x"``: its 1.x spellings,
+``rank/`` and ``parameters_grad`` without a counter), ``stack`` (write stack.json, on by default
+as in the predecessor), ``queue_size`` and
 ``when_full`` (the writer queue), ``strict`` (errors inside hooks raise). Every problem raises
 `ConfigError` naming the key and the value.
 """
 from __future__ import annotations
 
 import difflib
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,11 +38,30 @@ SUMMARY_MODES = ("statistics", "md5", "xor")
 WHEN_FULL = ("wait", "drop")
 #: the debugger tasks of `msprobe_engine.dump.tasks` (overflow_check, grad_probe, free_benchmark, diff_check)
 DEBUGGER_TASKS = tuple(TASK_LEVELS)
+RISK_LEVELS = ("CORE", "FOCUS", "ALL")
+PREDECESSOR_FORMATS = ("26.2", "1.x")
 #: the predecessor's other tasks: their sections are ignored, choosing them is an error
 OTHER_TASKS = ("run_ut", "acc_check", "structure")
 SECTION_KEYS = ("scope", "list", "data_mode", "summary_mode")
 TOP_KEYS = ("task", "dump_path", "rank", "step", "level", "framework", "enable_dataloader", "async_dump",
-            "is_deterministic", "stack", "queue_size", "when_full", "strict")
+            "is_deterministic", "stack", "queue_size", "when_full", "strict", "risk_level",
+            "predecessor_format")
+#: the predecessor's keys this dump has no counterpart for: accepted at these values (its
+#: defaults, or values that change nothing here); any other value is an error saying what to use
+PREDECESSOR_ONLY: dict[str, tuple[tuple, str]] = {
+    "precision": (("low", "high"), "statistics are accumulated in float64 here whatever the precision"),
+    "extra_info": ((True,), "the dump always writes the same fields"),
+    "dump_enable": ((None,), "switch the dump with start()/stop() and the step/rank lists"),
+    "custom_op_namespaces": ((None, []), "NPU custom operators are not captured here"),
+    "load": ((None, {}), "read a dump with msprobe_engine.dump.load_dump and feed the tensors yourself"),
+}
+PREDECESSOR_SECTION_ONLY: dict[str, tuple[tuple, str]] = {
+    "slice": ((None, []), "whole tensors are dumped; slice them after loading"),
+    "request_id": ((None,), "inference request selection is not implemented; use step/rank lists"),
+    "diff_nums": ((None, 1), "used by its overflow/nan tasks, not by the dump"),
+    "bench_path": ((None, ""), "compare two dumps with `msprobe-engine compare`"),
+    "tensor_list": ((None, []), "use task 'tensor' with a 'list' of API names"),
+}
 _RANGE_RE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
 
 DumpConfigSource = Union[str, Path, dict, "DumpConfig", None]
@@ -54,7 +79,9 @@ class DumpConfig:
     api_list: tuple[str, ...] = ()
     data_mode: frozenset[str] = frozenset({"all"})
     summary_mode: str = "statistics"
-    stack: bool = False
+    stack: bool = True
+    risk_level: str = "FOCUS"
+    predecessor_format: str = "26.2"
     queue_size: int = 256
     when_full: str = "wait"
     strict: bool = False
@@ -105,7 +132,9 @@ def _build(data: dict) -> DumpConfig:
     task = _choice(data.get("task", "statistics"), "task", TASKS + DEBUGGER_TASKS, OTHER_TASKS)
     section = _section(data, task)
     for key in data:
-        if key not in TOP_KEYS and key not in SECTION_KEYS and key not in TASKS + DEBUGGER_TASKS + OTHER_TASKS:
+        if key in PREDECESSOR_ONLY:
+            _predecessor_only(key, data[key], PREDECESSOR_ONLY[key])
+        elif key not in TOP_KEYS and key not in SECTION_KEYS and key not in TASKS + DEBUGGER_TASKS + OTHER_TASKS:
             _unknown(key, TOP_KEYS + SECTION_KEYS + TASKS + DEBUGGER_TASKS)
     _reject_unsupported(data)
     if "dump_path" not in data:
@@ -123,7 +152,10 @@ def _build(data: dict) -> DumpConfig:
         api_list=tuple(_strings(section.get("list", []), "list")),
         data_mode=_data_mode(section.get("data_mode", ["all"])),
         summary_mode=_choice(section.get("summary_mode", "statistics"), "summary_mode", SUMMARY_MODES),
-        stack=_bool(data.get("stack", False), "stack"),
+        stack=_bool(data.get("stack", True), "stack"),
+        risk_level=_choice(data.get("risk_level", "FOCUS"), "risk_level", RISK_LEVELS),
+        predecessor_format=_choice(str(data.get("predecessor_format", "26.2")), "predecessor_format",
+                                   PREDECESSOR_FORMATS),
         queue_size=_positive(data.get("queue_size", 256), "queue_size"),
         when_full=_choice(data.get("when_full", "wait"), "when_full", WHEN_FULL),
         strict=_bool(data.get("strict", False), "strict"),
@@ -137,11 +169,23 @@ def _section(data: dict, task: str) -> dict:
     if not isinstance(section, dict):
         raise ConfigError(f"{task}: expected a mapping of {', '.join(allowed)}, got {section!r}")
     for key in section:
-        if key not in allowed:
+        if key in allowed:
+            pass
+        elif key in PREDECESSOR_SECTION_ONLY:  # a key of another task of the predecessor's
+            _predecessor_only(f"{task}.{key}", section[key], PREDECESSOR_SECTION_ONLY[key])
+        else:
             _unknown(f"{task}.{key}", allowed, key)
         if key in data:
             raise ConfigError(f"{key}: given both at the top level and in '{task}'; keep one")
-    return {**{k: data[k] for k in SECTION_KEYS if k in data}, **section}
+    return {**{k: data[k] for k in SECTION_KEYS if k in data},
+            **{k: v for k, v in section.items() if k in allowed}}
+
+
+def _predecessor_only(key: str, value: Any, spec: tuple[tuple, str]) -> None:
+    accepted, instead = spec
+    if not any(value == a and type(value) is type(a) for a in accepted):
+        shown = ", ".join(json.dumps(a) for a in accepted)
+        raise ConfigError(f"{key}: {value!r} is not supported here (accepted: {shown}); {instead}")
 
 
 def _unknown(path: str, allowed: tuple[str, ...], key: str | None = None) -> None:

@@ -31,17 +31,19 @@ _PLAIN = (bool, int, float, str)
 @dataclass(frozen=True, slots=True)
 class DumpFormat:
     """What a framework's dump.json looks like: the tensor records' ``type``, whether they carry
-    ``requires_grad``, the module prefix (``Module``/``Cell``) and the tensor files' suffix."""
+    ``requires_grad``, the module prefix (``Module``/``Cell``), the tensor files' suffix and
+    whether integer tensors get a Mean and Norm (the PyTorch predecessor writes null)."""
     framework: str
     tensor_type: str
     requires_grad: bool
     module_prefix: str
     tensor_suffix: str
+    int_mean_norm: bool
 
 
 FORMATS: dict[str, DumpFormat] = {
-    "pytorch": DumpFormat("pytorch", "torch.Tensor", True, "Module", ".pt"),
-    "mindspore": DumpFormat("mindspore", "mindspore.Tensor", False, "Cell", ".npy"),
+    "pytorch": DumpFormat("pytorch", "torch.Tensor", True, "Module", ".pt", int_mean_norm=False),
+    "mindspore": DumpFormat("mindspore", "mindspore.Tensor", False, "Cell", ".npy", int_mean_norm=True),
 }
 
 
@@ -124,6 +126,8 @@ class StatColumns:
             return {"Max": high > 0, "Min": low > 0, "Mean": None, "Norm": None}
         if slot.kind == "int" and math.isfinite(high) and math.isfinite(low):
             high, low = int(high), int(low)
+        if slot.kind == "int" and not self.fmt.int_mean_norm:
+            return {"Max": high, "Min": low, "Mean": None, "Norm": None}
         return {"Max": high, "Min": low, "Mean": self.mean[row], "Norm": self.norm[row]}
 
 

@@ -1,4 +1,8 @@
-"""Load dump directories: ``dump_path/step{N}/rank{R}/{dump.json, stack.json, construct.json, dump_tensor_data/}``.
+"""Load dump directories: ``dump_path/step{N}/<rank dir>/{dump.json, stack.json, construct.json, dump_tensor_data/}``.
+
+A rank directory is ``rank<R>`` (a distributed run), ``proc<pid>`` (a single process, as
+mindstudio-probe 26.2 writes it) or ``rank`` (a single process, its 1.x layout); every reader
+takes all three.
 
 Tensors are loaded one at a time on request: ``.pt`` through ``torch.load(weights_only=True)``
 (torch imported only then), ``.npy`` with ``allow_pickle=False``. ``RankDump.load_tensor`` gives a
@@ -26,6 +30,7 @@ CONSTRUCT_JSON = "construct.json"
 TENSOR_DIR = "dump_tensor_data"
 _STEP_RE = re.compile(r"^step(\d+)$")
 _RANK_RE = re.compile(r"^rank(\d*)$")
+_PROC_RE = re.compile(r"^proc(\d+)$")
 
 DumpKey = tuple[int | None, int | None]
 
@@ -76,9 +81,10 @@ class RankDump:
         return read_json(file) if file.exists() else {}
 
     def stack(self) -> dict[str, Any]:
-        """stack.json (entry -> call stack), or {} when the file is absent."""
+        """stack.json as entry -> call stack (either layout: grouped, as mindstudio-probe 26.2
+        writes it, or one list per entry, as 1.x does), or {} when the file is absent."""
         file = self.path / STACK_JSON
-        return read_json(file) if file.exists() else {}
+        return stack_by_entry(read_json(file)) if file.exists() else {}
 
     def tensor_file(self, ref: TensorRef) -> Path:
         """The file of a tensor record, checked to lie inside dump_tensor_data/."""
@@ -130,6 +136,19 @@ class RankDump:
         raise DumpError(f"{where}: unknown tensor file type {file.suffix!r} (expected .pt or .npy)")
 
 
+def stack_by_entry(doc: Any) -> dict[str, Any]:
+    """``{"0": [[names], [frames]], ...}`` (grouped) or ``{name: [frames]}`` -> ``{name: [frames]}``."""
+    if not isinstance(doc, dict):
+        return {}
+    if not (isinstance(doc.get("0"), list) and len(doc["0"]) == 2 and isinstance(doc["0"][0], list)):
+        return doc
+    found: dict[str, Any] = {}
+    for group in doc.values():
+        if isinstance(group, list) and len(group) == 2 and isinstance(group[0], list):
+            found.update({name: group[1] for name in group[0] if isinstance(name, str)})
+    return found
+
+
 def load_rank_dir(path: Path, strict: bool = True) -> RankDump:
     """Load one rank directory; with ``strict`` schema problems raise, else they land in ``problems``."""
     if not path.is_dir():
@@ -151,9 +170,18 @@ def load_rank_dir(path: Path, strict: bool = True) -> RankDump:
                     meta=meta, data=doc["data"], problems=[f"{file}: {p}" for p in problems])
 
 
+def is_rank_dir_name(name: str) -> bool:
+    """True for ``rank<R>``, ``rank`` and ``proc<pid>``."""
+    return bool(_RANK_RE.match(name) or _PROC_RE.match(name))
+
+
+def _rank_order(d: Path) -> tuple[int, int]:
+    m = _RANK_RE.match(d.name)
+    return (0, int(m.group(1) or -1)) if m else (1, int(d.name[4:]))
+
+
 def _rank_dirs(step_dir: Path) -> list[Path]:
-    return sorted((d for d in step_dir.iterdir() if d.is_dir() and _RANK_RE.match(d.name)),
-                  key=lambda d: int(d.name[4:] or -1))
+    return sorted((d for d in step_dir.iterdir() if d.is_dir() and is_rank_dir_name(d.name)), key=_rank_order)
 
 
 def find_rank_dirs(path: Path | str) -> list[Path]:
@@ -171,15 +199,16 @@ def find_rank_dirs(path: Path | str) -> list[Path]:
                        key=lambda d: int(d.name[4:]))
         found = [r for s in steps for r in _rank_dirs(s)]
     if not found:
-        raise DumpError(f"{path}: no {DUMP_JSON} here and no step*/rank*/ or rank*/ directories below")
+        raise DumpError(f"{path}: no {DUMP_JSON} here and no step*/rank*/, step*/proc*/, rank*/ or proc*/ "
+                        "directories below")
     return found
 
 
 def load_dump(path: Path | str, strict: bool = True) -> dict[DumpKey, RankDump]:
-    """Load a rank directory or every ``step*/rank*/`` below a dump root, keyed by (step, rank).
+    """Load a rank directory or every rank directory of ``step*/`` below a dump root, keyed by (step, rank).
 
-    ``step``/``rank`` are None where the directory names carry no number (a bare ``rank`` dir
-    of a single-process run). With ``strict`` (default) any schema problem raises
+    ``step``/``rank`` are None where the directory names carry no rank (``proc<pid>`` or a bare
+    ``rank`` dir of a single-process run). With ``strict`` (default) any schema problem raises
     ``DumpError``; otherwise problems are kept in ``RankDump.problems``.
     """
     dumps: dict[DumpKey, RankDump] = {}

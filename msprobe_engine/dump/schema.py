@@ -22,7 +22,7 @@ OUTPUT_ROLES = ("output", "parameters_grad")
 ENTRY_ROLES = INPUT_ROLES + ("output",)
 MODULE_PREFIXES = ("Module", "Cell")
 _MODULE_RE = re.compile(r"^(Module|Cell)\.(.+)\.(forward|backward)\.(\d+)$")
-_PARAM_GRAD_RE = re.compile(r"^(Module|Cell)\.(.+)\.parameters_grad$")
+_PARAM_GRAD_RE = re.compile(r"^(Module|Cell)\.(.+)\.parameters_grad(?:\.(\d+))?$")
 _API_RE = re.compile(r"^([A-Za-z][A-Za-z0-9_]*)\.(.+)\.(\d+)\.(forward|backward)$")
 _MD5_RE = re.compile(r"^[0-9a-fA-F]{8}$")
 #: summary_mode xor: a 64-bit XOR checksum (a 0-dim tensor's value itself is a number)
@@ -57,12 +57,14 @@ class EntryName:
 
 
 def parse_entry_name(name: str) -> EntryName | None:
-    """Parse ``Module.<path>.<Class>.forward.<n>``, ``Module.<path>.<Class>.parameters_grad``,
-    ``<Prefix>.<api>.<n>.forward|backward`` (Cell for Module in MindSpore); None if none fits."""
+    """Parse ``Module.<path>.<Class>.forward.<n>``, ``Module.<path>.<Class>.parameters_grad.<n>``
+    (1.x: no counter), ``<Prefix>.<api>.<n>.forward|backward`` (Cell for Module in MindSpore);
+    None if none fits."""
     if m := _MODULE_RE.match(name):
         return EntryName(name, m.group(1), m.group(2), m.group(3), int(m.group(4)))
     if m := _PARAM_GRAD_RE.match(name):
-        return EntryName(name, m.group(1), m.group(2), "parameters_grad", None)
+        return EntryName(name, m.group(1), m.group(2), "parameters_grad",
+                         int(m.group(3)) if m.group(3) is not None else None)
     if m := _API_RE.match(name):
         return EntryName(name, m.group(1), m.group(2), m.group(4), int(m.group(3)))
     return None
@@ -123,7 +125,7 @@ def iter_tensors(entry_name: str, entry: dict[str, Any]) -> Iterator[TensorRef]:
 
     In a ``parameters_grad`` entry the role is ``parameters_grad`` and the path starts with
     the parameter name."""
-    if entry_name.endswith(".parameters_grad"):
+    if _PARAM_GRAD_RE.match(entry_name):
         yield from _walk(entry_name, "parameters_grad", entry, ())
         return
     for role in ENTRY_ROLES:

@@ -155,7 +155,8 @@ class DumpSession:
     # ---- writing -----------------------------------------------------------------------
     def _step_files(self) -> StepFiles:
         if self._files is None:
-            self._files = StepFiles(self.config.dump_path, self.current_step, self.rank)
+            self._files = StepFiles(self.config.dump_path, self.current_step, self.rank,
+                                    legacy=self.config.predecessor_format == "1.x")
         return self._files
 
     def _emit_tensors(self, items: list) -> None:

@@ -3,7 +3,8 @@
 Everything of ``step{N}/rank{R}/`` (tensor files, dump.json, stack.json, construct.json) is
 first written into the hidden directory ``step{N}/.rank{R}.partial/`` and then renamed into
 place: a crash at any moment leaves either a complete rank directory or none (the reader
-ignores ``.partial`` directories). A single-process run uses ``rank/`` as the predecessor does.
+ignores ``.partial`` directories). A single-process run writes ``proc<pid>/`` as the predecessor
+(mindstudio-probe 26.2) does, or ``rank/`` with its 1.x spelling (``predecessor_format: "1.x"``).
 """
 from __future__ import annotations
 
@@ -40,9 +41,12 @@ class StepData:
     extra: dict[str, Any] | None = None
 
 
-def rank_dir_name(rank: int | None) -> str:
-    """``rank3`` in a distributed run, ``rank`` in a single process (the predecessor's layout)."""
-    return "rank" if rank is None else f"rank{rank}"
+def rank_dir_name(rank: int | None, legacy: bool = False) -> str:
+    """``rank3`` in a distributed run; in a single process ``proc<pid>`` (the predecessor's
+    layout), or ``rank`` with `legacy` (its 1.x layout)."""
+    if rank is not None:
+        return f"rank{rank}"
+    return "rank" if legacy else f"proc{os.getpid()}"
 
 
 def dump_json_text(meta: dict[str, Any], data: dict[str, Any]) -> str:
@@ -56,6 +60,17 @@ def format_stack(frames: Frames) -> list[str]:
     """Frames as the predecessor writes them: ``File <path>, line <n>, in <func>, \\n <code>``."""
     return [f"File {file}, line {line}, in {func}, \n {linecache.getline(file, line).strip()}"
             for file, line, func in frames]
+
+
+def stack_document(stacks: dict[str, Frames], legacy: bool = False) -> dict[str, Any]:
+    """stack.json: ``{"0": [[names...], [frames...]], ...}``, the entries of one call stack grouped
+    (mindstudio-probe 26.2), or ``{name: [frames...]}`` (`legacy`, its 1.x form)."""
+    if legacy:
+        return {name: format_stack(frames) for name, frames in stacks.items()}
+    groups: dict[tuple, list[str]] = {}
+    for name, frames in stacks.items():
+        groups.setdefault(tuple(frames), []).append(name)
+    return {str(i): [names, format_stack(frames)] for i, (frames, names) in enumerate(groups.items())}
 
 
 def array_crc32(array: np.ndarray) -> str:
@@ -73,10 +88,11 @@ def write_file(path: Path, text: str) -> None:
 class StepFiles:
     """The directory of one (step, rank). Every method runs on the writer thread."""
 
-    def __init__(self, dump_path: Path, step: int, rank: int | None) -> None:
+    def __init__(self, dump_path: Path, step: int, rank: int | None, legacy: bool = False) -> None:
         step_dir = Path(dump_path) / f"step{step}"
-        name = rank_dir_name(rank)
+        name = rank_dir_name(rank, legacy)
         self.final = step_dir / name
+        self.legacy = legacy
         self.partial = step_dir / f".{name}.partial"
         self._ready = False
 
@@ -110,8 +126,7 @@ class StepFiles:
             meta = {**meta, "dump_data_dir": str((self.final / TENSOR_DIR).resolve())}
         write_file(self.partial / DUMP_JSON, dump_json_text(meta, render_entries(entries, host_rows, meta.get("framework", "pytorch"))))
         if stacks is not None:
-            stack_doc = {name: format_stack(frames) for name, frames in stacks.items()}
-            write_file(self.partial / STACK_JSON, json.dumps(stack_doc, indent=1))
+            write_file(self.partial / STACK_JSON, json.dumps(stack_document(stacks, self.legacy), indent=1))
         if construct is not None:
             write_file(self.partial / CONSTRUCT_JSON, json.dumps(construct, indent=1))
         if self.final.exists():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from types import CodeType
 from typing import Any, Callable, Iterable
 
 import torch
@@ -28,15 +29,51 @@ DISTRIBUTED = ("send", "recv", "isend", "irecv", "broadcast", "all_reduce", "all
                "all_gather", "all_gather_single", "all_gather_coalesced", "gather", "scatter", "reduce_scatter",
                "reduce_scatter_single", "all_to_all_single", "all_to_all")
 DISTRIBUTED_NAMES = {"all_gather_single": "all_gather_into_tensor", "reduce_scatter_single": "reduce_scatter_tensor"}
-#: Tensor dunders that are computations (the others: repr, hash, len, pickling...)
-TENSOR_DUNDERS = frozenset(
-    f"__{op}__" for base in ("add", "sub", "mul", "matmul", "truediv", "div", "floordiv", "mod", "pow",
-                             "and", "or", "xor", "lshift", "rshift")
-    for op in (base, f"r{base}", f"i{base}")) | frozenset(
-    f"__{op}__" for op in ("getitem", "setitem", "neg", "pos", "abs", "invert", "eq", "ne", "lt", "le", "gt", "ge",
-                           "bool", "float", "int", "index"))
-INPLACE_DUNDERS = frozenset(d for d in TENSOR_DUNDERS if d.startswith("__i") and d not in ("__int__", "__invert__",
-                                                                                       "__index__")) | {"__setitem__"}
+#: Tensor operators recorded under their dunder name (``x + y``: ``Tensor.__add__``), as the
+#: predecessor records them; the call arrives as the method (``add``), `OperatorNames` tells which
+OPERATORS = (
+    "__add__", "__radd__", "__iadd__", "__sub__", "__rsub__", "__isub__", "__mul__", "__rmul__", "__imul__",
+    "__div__", "__rdiv__", "__idiv__", "__truediv__", "__floordiv__", "__ifloordiv__", "__mod__", "__rmod__",
+    "__imod__", "__pow__", "__rpow__", "__ipow__", "__matmul__", "__and__", "__iand__", "__or__", "__ror__",
+    "__ior__", "__xor__", "__rxor__", "__ixor__", "__lshift__", "__ilshift__", "__rshift__", "__irshift__",
+    "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__")
+#: Tensor dunders that are dumped: the operators and item assignment (the others: repr, hash,
+#: len, pickling, indexing and conversions are not, as in the predecessor)
+TENSOR_DUNDERS = frozenset(OPERATORS) | {"__setitem__"}
+INPLACE_DUNDERS = frozenset(d for d in OPERATORS if d.startswith("__i")) | {"__setitem__"}
+#: the predecessor's low-risk APIs (shape and view changes, casts, tensor creation): skipped at
+#: ``risk_level`` FOCUS (its default), recorded at ALL
+LOW_RISK = frozenset((
+    "squeeze", "unsqueeze", "reshape", "reshape_as", "view", "view_as", "flatten", "unflatten", "expand",
+    "expand_as", "repeat", "repeat_interleave", "tile", "transpose", "permute", "moveaxis", "movedim",
+    "swapaxes", "swapdims", "chunk", "unsafe_chunk", "split", "split_with_sizes", "unsafe_split",
+    "unsafe_split_with_sizes", "tensor_split", "hsplit", "vsplit", "dsplit", "unbind", "stack", "cat", "concat",
+    "concatenate", "hstack", "vstack", "dstack", "column_stack", "row_stack", "atleast_1d", "atleast_2d",
+    "atleast_3d", "ravel", "clamp", "unfold", "type_as", "to", "float", "double", "int", "long", "half",
+    "bfloat16", "byte", "char", "bool", "cfloat", "empty", "empty_like", "zeros", "zeros_like", "ones",
+    "ones_like", "full", "full_like", "arange", "linspace", "logspace", "eye", "diag", "diagflat",
+    "diag_embed", "triu", "tril", "triu_indices", "tril_indices", "clone", "tensor", "as_tensor", "asarray",
+    "from_numpy"))
+#: the predecessor's core APIs: the only ones recorded at ``risk_level`` CORE
+CORE_RISK = frozenset((
+    "matmul", "__matmul__", "bmm", "addmm", "addmm_", "addbmm", "addbmm_", "baddbmm", "baddbmm_", "mm", "mv",
+    "addmv", "addmv_", "addr", "addr_", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+    "conv_transpose3d", "conv_tbc", "convolution", "_convolution", "linear", "bilinear", "linalg.matmul",
+    "linalg.multi_dot", "linalg.vecdot", "batch_norm", "instance_norm", "layer_norm", "group_norm",
+    "local_response_norm", "_batch_norm_impl_index", "embedding", "embedding_bag",
+    "multi_head_attention_forward", "scaled_dot_product_attention"))
+
+
+def risk_allows(level: str, info: "ApiInfo") -> bool:
+    """Whether an API is recorded at the predecessor's ``risk_level`` (CORE, FOCUS, ALL);
+    collectives count as core."""
+    if level == "ALL":
+        return True
+    if info.prefix == "Distributed" or info.name in CORE_RISK:
+        return True
+    return level == "FOCUS" and info.name not in LOW_RISK
+
+
 #: private torch functions the predecessor dumps (called directly by torch.nn.utils and some models)
 PRIVATE_DUMPED = frozenset(("_adaptive_avg_pool2d", "_add_relu", "_add_relu_", "_aminmax", "_batch_norm_impl_index",
                             "_convolution", "_foreach_norm", "_softmax_backward_data"))
@@ -61,6 +98,7 @@ class ApiInfo:
     inplace: bool               # writes into an argument (add_, __setitem__, collectives)
     inplace_arg: int | None = None  # position of an ``inplace`` parameter (F.relu(x, inplace))
     defaults: dict[str, Any] | None = None  # parameter defaults of a Python function
+    code: CodeType | None = None  # the code of a Python function (its arguments are re-read, `as_called`)
 
     @property
     def key(self) -> str:
@@ -113,6 +151,10 @@ def _defaults(func: Callable) -> dict[str, Any] | None:
     return {**dict(zip(names, values)), **(getattr(func, "__kwdefaults__", None) or {})} or None
 
 
+def _code(func: Callable) -> CodeType | None:
+    return getattr(inspect.unwrap(func), "__code__", None)
+
+
 def _same(value: Any, default: Any) -> bool:
     if value is default:
         return True
@@ -133,6 +175,9 @@ class ApiCatalog:
     def __init__(self) -> None:
         self._infos: dict[int, tuple[Any, ApiInfo]] = {}
         self._keys: frozenset[str] | None = None
+        #: the operator forms of Tensor methods (``Tensor.__add__``), see `operators`
+        self.operators = {name: ApiInfo("Tensor", name, dump=True, inplace=name in INPLACE_DUNDERS)
+                          for name in OPERATORS}
         # first prefix wins: F.conv2d is torch.conv2d, and is named Functional.conv2d
         self._scan("Functional", vars(torch.nn.functional).items())
         self._scan("Tensor", ((n, getattr(torch.Tensor, n, None)) for n in dir(torch.Tensor)))
@@ -147,7 +192,7 @@ class ApiCatalog:
                 if hasattr(dist, name):
                     func = getattr(dist, name)
                     self._add(func, ApiInfo("Distributed", DISTRIBUTED_NAMES.get(name, name), dump=True,
-                                            inplace=True, defaults=_defaults(func)))
+                                            inplace=True, defaults=_defaults(func), code=_code(func)))
 
     def _scan(self, prefix: str, items: Iterable[tuple[str, Any]]) -> None:
         """Name every routine of a namespace. An object with several names (Tensor.abs is
@@ -162,7 +207,7 @@ class ApiCatalog:
                                           and getattr(obj, "__name__", None) == leaf):
                 continue
             self._add(obj, ApiInfo(prefix, name, dump=_dumped_name(name), inplace=_inplace_name(leaf),
-                                   inplace_arg=_inplace_position(obj), defaults=_defaults(obj)))
+                                   inplace_arg=_inplace_position(obj), defaults=_defaults(obj), code=_code(obj)))
 
     def _add(self, obj: Any, info: ApiInfo) -> None:
         self._infos[id(obj)] = (obj, info)
@@ -174,7 +219,8 @@ class ApiCatalog:
 
     def dumped(self) -> list[ApiInfo]:
         """Every API the dump records, one per name."""
-        return sorted({i.key: i for _, i in self._infos.values() if i.dump}.values(), key=lambda i: i.key)
+        infos = [i for _, i in self._infos.values() if i.dump] + list(self.operators.values())
+        return sorted({i.key: i for i in infos}.values(), key=lambda i: i.key)
 
     def has_key(self, key: str) -> bool:
         """True when ``<Prefix>.<name>`` (``Functional.relu``) is a dumped API."""

@@ -44,7 +44,9 @@ class CallEdges:
         for i, tensor in enumerate(inputs):
             if tensor.requires_grad:
                 edge = get_gradient_edge(tensor)
-                self.edges.setdefault((edge.node, edge.output_nr), []).append(i)
+                # a tensor given twice (attn(x, x, x)): its gradient cannot be split by position;
+                # the whole of it goes to its first position, the others get none
+                self.edges.setdefault((edge.node, edge.output_nr), [i])
 
 
 def before_call(inputs: Sequence[torch.Tensor]) -> CallEdges | None:

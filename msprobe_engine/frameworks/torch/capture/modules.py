@@ -5,7 +5,7 @@ pre-hook and a forward hook that hand its arguments and result to the recorder, 
 the call ``Module.<path>.<Class>.forward.<n>``. Backward gradients are collected by the
 recorder without ``register_full_backward_hook`` (see `collect.torch_backward`), so modules
 that work in place keep working. Each direct parameter gets a tensor hook for
-``Module.<path>.<Class>.parameters_grad``. Hooks return None: nothing is modified.
+``Module.<path>.<Class>.parameters_grad.<n>``. Hooks return None: nothing is modified.
 A list of models is named ``Module.<i>.<path>...``, as the predecessor does.
 """
 from __future__ import annotations

@@ -6,8 +6,9 @@ its gradients have arrived), the module nesting (construct.json), call stacks on
 and the tensors' statistics rows in a `StatBuffer`. `finish_step()` makes the step's one
 host transfer and hands everything over; the JSON is built on the writer thread.
 
-Names follow the predecessor: ``Module.<path>.<Class>.forward.<n>`` / ``.backward.<n>`` /
-``.parameters_grad``, ``<Prefix>.<api>.<n>.forward`` / ``.backward``; counters restart every
+Names follow the predecessor (mindstudio-probe 26.2): ``Module.<path>.<Class>.forward.<n>`` /
+``.backward.<n>`` / ``.parameters_grad.<n>`` (1.x: no counter), ``<Prefix>.<api>.<n>.forward`` /
+``.backward``, Tensor operators by their dunder (``Tensor.__add__``); counters restart every
 step and count every call made while collecting, dumped or not, so names are stable under
 ``list`` and ``scope``. Calls during a backward pass (checkpoint recomputation) are skipped.
 """
@@ -17,12 +18,15 @@ import logging
 import os
 import sys
 import threading
+from functools import partial
 from typing import Any, Callable
 
 import torch
 
 from msprobe_engine.collect.flatten import iter_tensors
-from msprobe_engine.frameworks.torch.capture.api import ApiCatalog, writes_unknown, written_tensors
+from msprobe_engine.frameworks.torch.capture.api import (ApiCatalog, ApiInfo, risk_allows, writes_unknown,
+                                                         written_tensors)
+from msprobe_engine.frameworks.torch.capture.call_shape import as_called
 from msprobe_engine.frameworks.torch.capture.backward import GradCall, after_call, before_call, in_backward
 from msprobe_engine.frameworks.torch.capture.checksum import checksum_text, fold, xor_words
 from msprobe_engine.dump.config import DumpConfig
@@ -60,6 +64,21 @@ def _is_tensor(value: Any) -> bool:
 
 def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for _, t in iter_tensors(value, "", _is_tensor, depth=8)]
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    """The tensor the predecessor hooks for an API's backward: the output, or the first item
+    (first value of a dict) going down."""
+    for _ in range(8):
+        if isinstance(value, torch.Tensor):
+            return value
+        if isinstance(value, dict):
+            value = next((v for v in value.values() if isinstance(v, torch.Tensor)), None)
+        elif isinstance(value, (list, tuple)) and value:
+            value = value[0]
+        else:
+            return None
+    return None
 
 
 def _as_list(output: Any) -> list[Any]:
@@ -124,8 +143,10 @@ class Recorder:
     """Collects one step at a time; `active` is switched by the session (start/stop)."""
 
     def __init__(self, config: DumpConfig, backend: Any, catalog: ApiCatalog,
-                 emit_tensors: Callable[[TensorItems], None]) -> None:
+                 emit_tensors: Callable[[TensorItems], None], operators: Any = None) -> None:
+        """`operators`: the `OperatorNames` telling ``x + y`` (``Tensor.__add__``) from ``x.add(y)``."""
         self.config = config
+        self.operators = operators
         self.sel = Selection(config)
         self.stats = StatBuffer(backend)
         self.catalog = catalog
@@ -148,6 +169,8 @@ class Recorder:
         self._modules: list[_Call] = []
         self._ran: dict[str, Want | None] = {}  # modules run this step -> the expanded module around
         self._grad_calls: list[GradCall] = []
+        self._api_hooks: list = []  # node hooks of API backwards (removed at step end)
+        self._grad_index: dict[str, list] = {}  # module -> [parameters_grad counter, its first parameter]
         self._items: TensorItems = []
         self._item_bytes = 0
         self._checksums: list[tuple[TensorSlot, torch.Tensor]] = []
@@ -162,6 +185,8 @@ class Recorder:
             with self._hook("step end"):
                 for call in list(self._grad_calls):
                     call.finish()
+                for handle in self._api_hooks:
+                    handle.remove()
             with torch._C.DisableTorchFunction():
                 host = self.stats.to_host()
                 self._read_checksums()
@@ -295,7 +320,7 @@ class Recorder:
             return
         with self._hook("forward hook"):
             call = self._modules.pop()
-            params = dict(module.named_parameters(recurse=False)) if self.sel.inputs else {}
+            params = dict(module.named_parameters(recurse=False)) if self.sel.inputs else None
             self._call_done(call, output, params)
 
     def param_grad(self, key: str, name: str, grad: torch.Tensor) -> None:
@@ -303,13 +328,26 @@ class Recorder:
         if key not in self._ran:
             return  # the module did not run while collecting in this step
         with self._hook("gradient hook of", key):
-            entry_name = f"{key}.parameters_grad"
+            entry_name = self._param_grad_name(key, name)
             want = self.sel.want(key, entry_name, entry_name, self._ran[key])
             if want.backward and self.sel.outputs and self.sel.begin(entry_name):
                 grads = self.entries.setdefault(entry_name, {}).setdefault(name, [])
                 suffix = f".{len(grads)}" if grads else ""
                 grads.append(self._slot(grad, f"{entry_name}.{name}{suffix}"))
             self._flush_after_backward()
+
+    def _param_grad_name(self, key: str, param: str) -> str:
+        """``<key>.parameters_grad.<n>``: n counts the module's gradient passes (it grows when
+        its first parameter's gradient arrives again), as the predecessor names them;
+        ``<key>.parameters_grad`` in its 1.x format."""
+        if self.config.predecessor_format == "1.x":
+            return f"{key}.parameters_grad"
+        index = self._grad_index.get(key)
+        if index is None:
+            index = self._grad_index[key] = [0, param]
+        elif index[1] == param:
+            index[0] += 1
+        return f"{key}.parameters_grad.{index[0]}"
 
     # ---- APIs (L1, mix) ----------------------------------------------------------------
     def api_call(self, func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -318,8 +356,11 @@ class Recorder:
         Before a call that writes into its arguments, waiting tensors that share their storage
         are protected (`StatBuffer.protect`); the call's own inputs are recorded first."""
         info = self.catalog.get(func)
+        operator = self.operators.take() if self.operators is not None else None
+        if operator is not None and info is not None and info.prefix == "Tensor":
+            info = self.catalog.operators[operator]
         writes = info.writes(args, kwargs) if info is not None else writes_unknown(func, kwargs)
-        if info is None or not info.dump or not self.sel.apis or not self.active or in_backward():
+        if info is None or not self.sel.apis or not self._records(info) or not self.active or in_backward():
             # in-place ops bump the version (the cache sees it); collectives do not
             if writes and (self.stats.pending or (info is not None and info.prefix == "Distributed")):
                 with self._hook("in-place check of", getattr(func, "__name__", "")):
@@ -330,17 +371,26 @@ class Recorder:
             n = self._count(info.key)
             call = self._begin(None, info.key, f"{info.key}.{n}.forward", f"{info.key}.{n}.backward")
             if call.keep and self.sel.inputs:
-                call.inputs = (self._describe(list(args), f"{call.forward}.input"),
-                               self._describe(info.user_kwargs(kwargs), f"{call.forward}.input"))
+                called = as_called(info.code, args, kwargs) if info.code is not None else None
+                if called is None:
+                    called = list(args), info.user_kwargs(kwargs)
+                call.inputs = (self._describe(called[0], f"{call.forward}.input"),
+                               self._describe(called[1], f"{call.forward}.input"))
             if writes:
                 self.stats.protect(written_tensors(info, args, kwargs))
-            if call.want.backward and info.prefix != "Distributed":
-                call.edges = before_call(_tensors(args))
         output = func(*args, **kwargs)
         if call is not None:
             with self._hook("API", info.key):
                 self._call_done(call, output)
+                if call.want.backward and info.prefix != "Distributed":
+                    self._watch_api_backward(call, output)
         return output
+
+    def _records(self, info: ApiInfo) -> bool:
+        """Whether calls of this API are recorded (with no ``list`` or ``scope``: by ``risk_level``,
+        as the predecessor decides)."""
+        selected = bool(self.config.api_list) or self.config.scope is not None
+        return info.dump and (selected or risk_allows(self.config.risk_level, info))
 
     def _call_done(self, call: _Call, output: Any, params: dict[str, Any] | None = None) -> None:
         """Close a module or API call: its forward entry, then its backward watch."""
@@ -351,7 +401,7 @@ class Recorder:
                 entry["input_args"], entry["input_kwargs"] = call.inputs
             if self.sel.outputs:
                 entry["output"] = self._describe(_as_list(output), f"{call.forward}.output")
-            if params:
+            if params is not None:
                 entry["parameters"] = {k: self._slot(p, f"{call.forward}.parameters.{k}")
                                        for k, p in params.items()}
             self._add_entry(call.forward, entry, call.parent, call.frames)
@@ -378,8 +428,34 @@ class Recorder:
                 entry: dict[str, Any] = {}
                 if self.sel.inputs:
                     entry["input"] = self._grad_slots(grad_call.output_grads, f"{call.backward}.input")
+                if self.sel.outputs:  # no input needs a gradient: [] (as torch's module backward hooks give)
+                    grads = grad_call.input_grads if any(g is not None for g in grad_call.input_grads) else []
+                    entry["output"] = self._grad_slots(grads, f"{call.backward}.output")
+                self._add_entry(call.backward, entry, _backward_name(call.parent), None)
+            self._flush_after_backward()
+
+    def _watch_api_backward(self, call: _Call, output: Any) -> None:
+        """An API's backward as the predecessor records it: the gradients in and out of the
+        autograd node that made its (first) output."""
+        first = _first_tensor(output)
+        if first is None or not first.requires_grad or first.grad_fn is None or not torch.is_grad_enabled():
+            return
+        tag = (self._step_id, call)
+        self._api_hooks.append(first.grad_fn.register_hook(partial(self._api_backward_done, tag)))
+
+    def _api_backward_done(self, tag: tuple, grad_inputs: tuple, grad_outputs: tuple) -> None:
+        step_id, call = tag
+        if step_id != self._step_id or call.backward in self.entries:
+            return  # a graph kept from an earlier step, or a second backward through it
+        with self._hook("backward of", call.key):
+            in_scope = self.sel.begin(call.backward)
+            self.sel.end(call.backward)
+            if in_scope:
+                entry: dict[str, Any] = {}
+                if self.sel.inputs:
+                    entry["input"] = self._grad_slots(list(grad_outputs), f"{call.backward}.input")
                 if self.sel.outputs:
-                    entry["output"] = self._grad_slots(grad_call.input_grads, f"{call.backward}.output")
+                    entry["output"] = self._grad_slots(list(grad_inputs), f"{call.backward}.output")
                 self._add_entry(call.backward, entry, _backward_name(call.parent), None)
             self._flush_after_backward()
 

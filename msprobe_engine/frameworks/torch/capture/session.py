@@ -19,6 +19,7 @@ from msprobe_engine.frameworks.torch import backend as torch_backend
 from msprobe_engine.frameworks.torch.capture.api import ApiCatalog, ApiMode, push_mode, remove_mode
 from msprobe_engine.frameworks.torch.capture.free_benchmark import FreeBenchmark
 from msprobe_engine.frameworks.torch.capture.live_compare import LiveCompareRecorder
+from msprobe_engine.frameworks.torch.capture.operators import OperatorNames
 from msprobe_engine.frameworks.torch.capture.modules import DumpModuleHooks, module_keys
 from msprobe_engine.frameworks.torch.capture.overflow import OverflowRecorder
 from msprobe_engine.frameworks.torch.capture.recorder import Recorder, tensor_crc32
@@ -44,6 +45,7 @@ class PrecisionDebugger(DumpSession):
     def _setup(self, model: Any) -> None:
         task = self.config.task
         require_support(task, "PyTorch", TORCH_TASKS)
+        self._operators: OperatorNames | None = None
         if self.config.level in ("L0", "mix") and model is None and task not in NO_MODULE_TASKS:
             raise ConfigError(f"level {self.config.level} dumps modules: pass the model, start(model)")
         self.rank, world = _rank_and_world()
@@ -57,11 +59,12 @@ class PrecisionDebugger(DumpSession):
         catalog = ApiCatalog()
         modules = module_keys(model) if model is not None and task not in NO_MODULE_TASKS else {}
         check_names(self.config, modules, catalog)
+        self._operators = OperatorNames() if self.config.level in ("L1", "mix") else None
         if task == "free_benchmark":
             self._recorder = FreeBenchmark(self.config, catalog, self.rank, self.writer)
         else:
             recorder = RECORDERS.get(task, Recorder)
-            self._recorder = recorder(self.config, torch_backend, catalog, self._emit_tensors)
+            self._recorder = recorder(self.config, torch_backend, catalog, self._emit_tensors, self._operators)
         self._mode = ApiMode(self._recorder.api_call)
         if model is not None:
             self._hook_model(model)
@@ -92,6 +95,8 @@ class PrecisionDebugger(DumpSession):
         if not (self._running and wanted and self._recorder is not None) or self._recorder.active:
             return
         self._recorder.active = self._collected = True
+        if self._operators is not None:
+            self._operators.install()
         if self._mode is not None:
             push_mode(self._mode)  # also in L0: it measures waiting tensors before in-place calls
 
@@ -101,6 +106,8 @@ class PrecisionDebugger(DumpSession):
         self._recorder.active = False
         if self._mode is not None:
             remove_mode(self._mode)
+        if self._operators is not None:
+            self._operators.remove()
 
     def _tensor_writers(self) -> tuple[Any, Any]:
         """(save a tensor copy to a path, or None; its checksum, or None) as the config asks."""
