@@ -11,7 +11,7 @@ from torch import nn
 
 from msprobe_engine.cli import main
 from msprobe_engine.config.errors import ConfigError
-from msprobe_engine.dump import PrecisionDebugger
+from msprobe_engine.dump import PrecisionDebugger, find_rank_dirs
 from msprobe_engine.dump.free_benchmark_files import RESULT_CSV
 
 
@@ -63,7 +63,7 @@ def test_unstable_api_is_reported_stable_ones_pass_and_training_is_bitwise_uncha
     losses, params = _train(2, debugger)
     debugger.close()
     assert all(torch.equal(a, b) for a, b in zip(losses + params, plain_losses + plain_params))  # dropout too
-    rows = _results(tmp_path / "step0" / "rank" / RESULT_CSV)
+    rows = _results(find_rank_dirs(tmp_path / "step0")[0] / RESULT_CSV)
     assert list(rows[0]) == ["rank", "pert_mode", "stage", "step", "api_name", "max_rel", "dtype", "shape",
                              "output_index"]
     names = {r["api_name"] for r in rows}
@@ -79,7 +79,7 @@ def test_unstable_api_is_reported_stable_ones_pass_and_training_is_bitwise_uncha
     report = json.loads((tmp_path / "fb.json").read_text())
     assert report[0]["api"] == "Torch.var" and report[0]["steps"] == [0, 1]
     assert report[0]["worst_max_rel"] == max(float(r["max_rel"]) for r in rows + _results(
-        tmp_path / "step1" / "rank" / RESULT_CSV) if r["api_name"].startswith("Torch.var"))
+        find_rank_dirs(tmp_path / "step1")[0] / RESULT_CSV) if r["api_name"].startswith("Torch.var"))
 
 
 def test_backward_stage_compares_input_gradients(tmp_path):

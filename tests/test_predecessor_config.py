@@ -37,7 +37,7 @@ def test_its_full_monitor_config_loads_and_maps(tmp_path, caplog):
     assert (cfg.schedule.start_step, cfg.schedule.interval, cfg.schedule.end_step) == (2, 3, 14)
     assert cfg.watch.params and cfg.watch.activation_grads and cfg.watch.optimizer_state == [
         "exp_avg", "exp_avg_sq", "update", "ratio"]
-    assert cfg.sinks == ["csv"] and cfg.incidents.enabled is False  # alert.dump: false
+    assert [s.name for s in cfg.sinks] == ["csv"] and cfg.incidents.enabled is False  # alert.dump: false
     warned = caplog.text
     assert "mg_direction=True is accepted but not measured here" in warned and "watch.optimizer_state" in warned
     assert "op 'id' is accepted but not a statistic here" in warned
