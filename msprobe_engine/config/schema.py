@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from msprobe_engine.config.fields import at_least, choices, registered
+from msprobe_engine.config.fields import above, at_least, choices, pattern, registered
 from msprobe_engine.rules import RULES, Rule
 from msprobe_engine.sinks import SINKS, Sink
 from msprobe_engine.stats import DEFAULT_STATS, STATISTICS
@@ -22,7 +22,7 @@ REPLAY_LEVELS = ("L0", "mix")
 class Schedule:
     """Which optimizer steps are monitored: start <= step < end, every `interval`."""
     start_step: int = field(default=0, metadata=at_least(0))
-    end_step: Optional[int] = field(default=None, metadata=at_least(0))
+    end_step: Optional[int] = field(default=None, metadata={**at_least(0), **above("start_step")})
     interval: int = field(default=1, metadata=at_least(1))
 
     def is_monitored(self, step: int) -> bool:
@@ -47,9 +47,9 @@ class Watch:
 class ModuleSelection:
     """Modules whose activations are watched; all of them when every list is empty."""
     names: list[str] = field(default_factory=list)
-    regex: list[str] = field(default_factory=list)
+    regex: list[str] = field(default_factory=list, metadata=pattern())
     types: list[str] = field(default_factory=list)
-    exclude_regex: list[str] = field(default_factory=list)
+    exclude_regex: list[str] = field(default_factory=list, metadata=pattern())
 
 
 @dataclass(kw_only=True, slots=True)
