@@ -16,7 +16,9 @@ from msprobe_engine.stats.table import StatTable
 @register_rule("spike")
 class SpikeRule(Rule):
     """A metric matching `metrics` (TensorBoard tags or glob patterns) above `factor` x its
-    running average, once warmed up; a spike does not pull the average up. Everything that
+    running average, and `deviations` x its running mean absolute deviation above that average
+    (a series that is noisy by nature, like a small bias's gradient near convergence, needs a
+    larger jump), once warmed up; a spike pulls neither up. Everything that
     spikes on one step is one episode, named after the innermost module of the first hit.
 
     Warm-up understands series that start at zero (optimizer moments, a gradient that is
@@ -26,15 +28,17 @@ class SpikeRule(Rule):
 
     @dataclass(kw_only=True, slots=True)
     class Config(Rule.Config):
-        metrics: list[str] = field(default_factory=lambda: ["train/loss", "grad/global/norm"])
-        factor: float = field(default=3.0, metadata=between(1.0, 1e12))
+        metrics: list[str] = field(default_factory=lambda: ["train/loss", "grad/*/norm", "actv/*/output*/norm"])
+        factor: float = field(default=5.0, metadata=between(1.0, 1e12))
         warmup: int = field(default=10, metadata=between(0, 1_000_000))
         smoothing: float = field(default=0.9, metadata=between(0.0, 0.999))
+        deviations: float = field(default=6.0, metadata=between(0.0, 1e12))
 
     def __init__(self, config: "SpikeRule.Config") -> None:
         super().__init__(config)
         self._average: dict[str, float] = {}
         self._seen: dict[str, int] = {}
+        self._deviation: dict[str, float] = {}
         self.watched = TagMatcher(config.metrics)
 
     def evaluate(self, table, stats, metrics) -> list[Firing]:
@@ -46,14 +50,18 @@ class SpikeRule(Rule):
             if math.isnan(value) or (not average and math.isinf(value)):
                 continue
             seen = self._seen.get(tag, 0)
-            if average and seen >= spec.warmup and abs(value) > spec.factor * abs(average):
-                hits.append((tag, value, spec.factor * abs(average)))
+            deviation = self._deviation.get(tag, 0.0)
+            threshold = max(spec.factor * abs(average), abs(average) + spec.deviations * deviation) if average else 0
+            if average and seen >= spec.warmup and abs(value) > threshold:
+                hits.append((tag, value, threshold))
                 continue  # a spike (or an overflow to inf) does not pull the average up
             if not average:  # the series starts here (or is still zero: no scale yet)
-                self._average[tag], self._seen[tag] = value, int(value != 0)
+                self._average[tag], self._seen[tag], self._deviation[tag] = value, int(value != 0), 0.0
                 continue
             settled = seen >= spec.warmup or abs(value) <= settle * abs(average)
-            self._average[tag] = spec.smoothing * average + (1 - spec.smoothing) * value
+            keep = spec.smoothing
+            self._average[tag] = keep * average + (1 - keep) * value
+            self._deviation[tag] = keep * deviation + (1 - keep) * abs(value - average)
             self._seen[tag] = seen + 1 if settled else 0
         return one_episode(self, hits)
 
@@ -61,8 +69,9 @@ class SpikeRule(Rule):
         return deviation > self.config.factor
 
     def state_dict(self) -> dict[str, Any]:
-        return {"average": dict(self._average), "seen": dict(self._seen)}
+        return {"average": dict(self._average), "seen": dict(self._seen), "deviation": dict(self._deviation)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._average = {str(k): float(v) for k, v in state.get("average", {}).items()}
         self._seen = {str(k): int(v) for k, v in state.get("seen", {}).items()}
+        self._deviation = {str(k): float(v) for k, v in state.get("deviation", {}).items()}

@@ -28,7 +28,7 @@ class TrendRule(Rule):
 
     @dataclass(kw_only=True, slots=True)
     class Config(Rule.Config):
-        metrics: list[str] = field(default_factory=lambda: ["actv/*/output/norm", "grad/*/norm"])
+        metrics: list[str] = field(default_factory=lambda: ["grad/*/norm", "actv/*/output*/norm"])
         method: str = field(default="slope", metadata=choices(*METHODS))
         window: int = field(default=20, metadata=between(3, 100_000))
         factor: float = field(default=10.0, metadata=between(1.0, 1e12))
