@@ -41,6 +41,7 @@ from msprobe_engine.incident.replay import ReplayHost, StepCall, every_statistic
 from msprobe_engine.records import AlertEvent, StepRecord
 from msprobe_engine.registry import framework_names, framework_of, load_framework
 from msprobe_engine.contract import StepLifecycle
+from msprobe_engine.control import CONTROL_NAME, ControlFile
 from msprobe_engine.rules import AlertTracker, Firing, build_rules
 from msprobe_engine.sinks import BackgroundWriter, create_sinks
 from msprobe_engine.state import STATE_VERSION, check_state
@@ -90,6 +91,11 @@ class Monitor(StepLifecycle):
         self._metrics = MetricNamer(self.config.stats, "ratio" in self.config.watch.optimizer_state,
                                     HIDDEN_KINDS)
         self._tracker = AlertTracker()
+        control = self.config.control
+        #: the live control file (docs/control.md), polled at step boundaries
+        self.control = ControlFile(Path(control.file or Path(self.config.output_dir) / CONTROL_NAME),
+                                   control.interval_s, self._rules, self.config.schedule,
+                                   self.config.watch) if control.enabled else None
         self._count_zeros = "zero_count" in optional_columns(self.config.stats)
         self.decide_early = any(rule.action != "continue" for rule in self._rules)
         self._pending: list[tuple[int, list[MetricKey], Any]] = []
@@ -175,6 +181,10 @@ class Monitor(StepLifecycle):
         (the backend's `pick`)."""
         if not (self.active and tensors):
             return
+        if self.control is not None and self.control.current.muted:
+            keys, tensors, same = self.control.unmuted(keys, tensors, same, self._rows)
+            if not tensors:
+                return
         if self.backend is None:
             self._find_backend(tensors[0])
         measured = [t for t, prior in zip(tensors, same) if prior is None] if same else tensors
@@ -278,6 +288,9 @@ class Monitor(StepLifecycle):
             with self.guard("step end"):
                 record = self._finish_step()
         self._advance()
+        if self.control is not None:
+            with self.guard("control file"):
+                self.control.poll(self)
         return record
 
     def _advance(self) -> None:
@@ -494,12 +507,14 @@ class Monitor(StepLifecycle):
     def _evaluate(self, table: StatTable) -> list[Firing]:
         stats = table.finalized()
         metrics = self._metrics(table)
-        return [f for rule in self._rules for f in rule.evaluate(table, stats, metrics)]
+        return [f for rule in self._rules if rule.enabled for f in rule.evaluate(table, stats, metrics)]
 
     def _emit(self, step: int, table: StatTable, events: list[AlertEvent]) -> StepRecord:
         micro_steps = self._early_micro_steps.pop(step, self.micro_steps)
+        metrics = self._metrics(table)
+        health = self.writer.health()  # writer/<sink>/failed, writer/dropped: only once something was lost
         record = StepRecord(step=step, rank=self.rank, micro_steps=micro_steps,
-                            metrics=self._metrics(table), alerts=events, wall_time=time.time())
+                            metrics={**metrics, **health} if health else metrics, alerts=events, wall_time=time.time())
         for event in events:
             log.warning("msprobe alert %s %s at step %d: %s = %s%s", event.rule, event.phase, event.step,
                         event.tag, _fmt(event.value),
@@ -527,10 +542,16 @@ def _default_rank() -> int:
 
 
 def prepare_output_dir(run_dir: Path) -> None:
-    """Create `run_dir`, or raise `ConfigError` naming the path and the reason (before training)."""
+    """Create `run_dir` and write a probe file in it, or raise `ConfigError` naming the path and
+    the reason (before training): a file in the way, no permission, a read-only file system."""
+    blocking = next((p for p in [run_dir, *run_dir.parents] if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise ConfigError(f"output_dir: cannot create {run_dir}: {blocking} is a file, not a directory")
+    probe = run_dir / f".msprobe-write-test-{os.getpid()}"
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
     except OSError as exc:
-        raise ConfigError(f"output_dir: cannot create {run_dir}: {exc.strerror or exc}") from None
-    if not os.access(run_dir, os.W_OK | os.X_OK):
-        raise ConfigError(f"output_dir: {run_dir} is not writable")
+        where = exc.filename or run_dir
+        raise ConfigError(f"output_dir: cannot write in {run_dir}: {where}: {exc.strerror or exc}") from None

@@ -145,6 +145,13 @@ def import_plugins(modules: Any) -> None:
             raise ConfigError(f"plugins[{i}]: cannot import {name!r}: {type(exc).__name__}: {exc}") from None
 
 
+def build_section(cls: type, data: Any, path: str) -> Any:
+    """Validate `data` into the config dataclass `cls` (e.g. a `Schedule` from a control file);
+    a `ConfigError` lists every problem, named under `path`."""
+    _check_depth(data)
+    return _build(cls, data, path)
+
+
 def _build(cls: type, data: Any, path: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{path or '<top>'}: expected a mapping, got {_show(data)}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from msprobe_engine.config.fields import above, at_least, choices, pattern, registered
+from msprobe_engine.config.fields import above, at_least, between, choices, pattern, registered
 from msprobe_engine.rules import RULES, Rule
 from msprobe_engine.sinks import SINKS, Sink
 from msprobe_engine.stats import DEFAULT_STATS, STATISTICS
@@ -80,6 +80,15 @@ class Incidents:
     replay: Replay = field(default_factory=Replay)
 
 
+@dataclass(kw_only=True, slots=True)
+class ControlSettings:
+    """The live control file (docs/control.md): `file` (default `<output_dir>/control.json`),
+    looked at every `interval_s` seconds at most, from the writer thread."""
+    enabled: bool = True
+    file: str = ""
+    interval_s: float = field(default=5.0, metadata=between(0.0, 86400.0))
+
+
 def default_rules() -> list[Rule.Config]:
     """non_finite on every kind, spike on the loss and the global gradient norm."""
     return [RULES.get(name).Config(rule=name) for name in ("non_finite", "spike")]
@@ -106,3 +115,4 @@ class MonitorConfig:
     per_rank: bool = False
     alerts: list[Rule.Config] = field(default_factory=default_rules, metadata=registered(RULES, "rule"))
     incidents: Incidents = field(default_factory=Incidents)
+    control: ControlSettings = field(default_factory=ControlSettings)

@@ -8,6 +8,7 @@ ignores ``.partial`` directories). A single-process run uses ``rank/`` as the pr
 from __future__ import annotations
 
 import json
+import logging
 import linecache
 import os
 import shutil
@@ -20,6 +21,8 @@ import numpy as np
 
 from msprobe_engine.dump.entry import TensorSlot, render_entries
 from msprobe_engine.dump.reader import CONSTRUCT_JSON, DUMP_JSON, STACK_JSON, TENSOR_DIR
+
+log = logging.getLogger("msprobe_engine")
 
 #: a raw call stack: (file, line, function) per frame, innermost last
 Frames = Sequence[tuple[str, int, str]]
@@ -64,6 +67,28 @@ def write_file(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
+#: (dump path, partial directory name) already swept by this process
+_swept: set[tuple[str, str]] = set()
+
+
+def sweep_partials(dump_path: Path, partial_name: str) -> None:
+    """Once per process and dump path: remove the `step*/<partial_name>` directories that an
+    earlier run of this rank left when it crashed mid-step, logging how many and how large."""
+    key = (str(Path(dump_path).resolve()), partial_name)
+    if key in _swept:
+        return
+    _swept.add(key)
+    stale = [p for p in Path(dump_path).glob(f"step*/{partial_name}") if p.is_dir()]
+    if not stale:
+        return
+    size = sum(f.stat().st_size for p in stale for f in p.rglob("*") if f.is_file())
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    log.warning("msprobe dump: removed %d unfinished step director%s (%s, %.1f MB) left in %s by an earlier run "
+                "that stopped mid-step", len(stale), "y" if len(stale) == 1 else "ies", partial_name,
+                size / 1e6, dump_path)
+
+
 class StepFiles:
     """The directory of one (step, rank). Every method runs on the writer thread."""
 
@@ -80,6 +105,7 @@ class StepFiles:
 
     def _prepare(self) -> None:
         if not self._ready:
+            sweep_partials(self.final.parent.parent, self.partial.name)
             shutil.rmtree(self.partial, ignore_errors=True)  # left by a crashed run
             self.partial.mkdir(parents=True)
             self._ready = True

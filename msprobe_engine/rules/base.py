@@ -44,6 +44,8 @@ class Rule:
 
     def __init__(self, config: "Rule.Config") -> None:
         self.config = config
+        #: False while a control file switches the rule off (it is not evaluated)
+        self.enabled = True
 
     @property
     def action(self) -> str:
