@@ -71,4 +71,5 @@ def one_episode(rule: Rule, hits: list[tuple[str, float, float | None]]) -> list
     others = [t for i, (t, _, _) in enumerate(hits) if i != lead]
     if len(others) > MAX_ALSO:
         others = others[:MAX_ALSO] + [f"+{len(others) - MAX_ALSO} more"]
-    return [Firing(rule.name, rule.name, tag, value, threshold, rule.action, also=tuple(others))]
+    return [Firing(rule.name, rule.name, tag, value, threshold, rule.action, also=tuple(others),
+                   cooldown=rule.config.cooldown)]
