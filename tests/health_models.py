@@ -97,5 +97,5 @@ def train(model: nn.Module, monitor, steps: int, optimizer: torch.optim.Optimize
         if torch.isfinite(loss):
             optimizer.step()
         monitor.step_end(loss)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses

@@ -16,6 +16,8 @@ from msprobe_engine.rules import build_rules
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 MUTATIONS = 1200
+#: this many of the configs that load are also attached to a model and run for two steps
+ATTACHED = 25
 
 BAD_VALUES = [None, True, 0, -1, 5, 2 ** 63, 10 ** 400, -10 ** 400, 1e308, float("nan"), float("inf"),
               float("-inf"), 0.5, "", "x", "(", "[a-", "*", "x" * 5000, [], ["("], [5], [None], {}, {"x": 1},
@@ -68,8 +70,24 @@ def usable(config) -> None:
     config.schedule.is_monitored(3)
 
 
+def attached(data: dict, out: Path) -> None:
+    """A config that loaded, run for real: a monitor (strict: any error raises) on a small model."""
+    import torch
+
+    from health_models import Teacher, build, train
+    from msprobe_engine.monitor import Monitor
+
+    model = build()
+    optimizer = torch.optim.Adam(model.parameters(), 1e-3)
+    config = {**data, "output_dir": str(out), "strict": True, "sinks": ["jsonl"]}
+    config.pop("format", None)  # the predecessor's spelling of sinks
+    monitor = Monitor(config).attach(model, optimizer)
+    train(model, monitor, 2, optimizer, teacher=Teacher())
+    monitor.close()
+
+
 @pytest.mark.parametrize("name", ["full.yaml", "predecessor_monitor.json"])
-def test_mutated_configs_load_or_raise_config_error_only(name):
+def test_mutated_configs_load_or_raise_config_error_only(name, tmp_path):
     path = CONFIGS / name
     base = yaml.safe_load(path.read_text()) if path.suffix == ".yaml" else json.loads(path.read_text())
     rng = random.Random(16)
@@ -84,5 +102,7 @@ def test_mutated_configs_load_or_raise_config_error_only(name):
                 assert len(line) <= MAX_MESSAGE, line
             continue
         usable(config)
+        if outcomes["loaded"] < ATTACHED:
+            attached(data, tmp_path / str(outcomes["loaded"]))
         outcomes["loaded"] += 1
-    assert outcomes["refused"] > MUTATIONS // 2 and outcomes["loaded"] > 10, outcomes
+    assert outcomes["refused"] > MUTATIONS // 2 and outcomes["loaded"] > ATTACHED, outcomes
