@@ -162,6 +162,23 @@ def _graph_run(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------ check-config
 
+def _unreachable(config: Any, spec: str) -> list[str]:
+    """Warnings about rules that cannot fire on the model `module:factory` builds."""
+    import importlib
+
+    from msprobe_engine.config.reach import unreachable_rules
+
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"--model: expected MODULE:FACTORY, got {spec!r}")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"--model {spec}: {type(exc).__name__}: {exc}") from None
+    model = factory()
+    return unreachable_rules(config, model[0] if isinstance(model, tuple) else model)
+
+
 def _check_config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="a monitor config (.yaml, .yml or .json)")
     p.add_argument("--model", metavar="MODULE:FACTORY",
@@ -188,23 +205,6 @@ def _check_config_run(args: argparse.Namespace) -> int:
     print(f"{args.config}: ok; output_dir={config.output_dir}, sinks={','.join(sink.name for sink in config.sinks)}, "
           f"alerts={','.join(r.rule for r in config.alerts)}" + (f"; {len(warnings)} warning(s)" if warnings else ""))
     return 0
-
-
-def _unreachable(config: Any, spec: str) -> list[str]:
-    """Warnings about rules that cannot fire on the model `module:factory` builds."""
-    import importlib
-
-    from msprobe_engine.config.reach import unreachable_rules
-
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"--model: expected MODULE:FACTORY, got {spec!r}")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"--model {spec}: {type(exc).__name__}: {exc}") from None
-    model = factory()
-    return unreachable_rules(config, model[0] if isinstance(model, tuple) else model)
 
 
 VERBS: dict[str, Verb] = {

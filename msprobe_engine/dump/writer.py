@@ -22,8 +22,6 @@ import numpy as np
 from msprobe_engine.dump.entry import TensorSlot, render_entries
 from msprobe_engine.dump.reader import CONSTRUCT_JSON, DUMP_JSON, STACK_JSON, TENSOR_DIR
 
-log = logging.getLogger("msprobe_engine")
-
 #: a raw call stack: (file, line, function) per frame, innermost last
 Frames = Sequence[tuple[str, int, str]]
 
@@ -67,6 +65,7 @@ def write_file(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
+log = logging.getLogger("msprobe_engine")
 #: (dump path, partial directory name) already swept by this process
 _swept: set[tuple[str, str]] = set()
 
