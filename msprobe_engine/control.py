@@ -12,7 +12,7 @@ The file (default ``<output_dir>/control.json``, config `control.file`) may hold
 and on again; `watch` switches kinds of tensors that were watched at attach off (and on
 again). A key that is absent means the config's own setting, so removing the file returns
 to the config. The file is read on the writer thread at most once every `control.interval_s`
-seconds (and only when it changed); what it says takes effect at the next step boundary.
+seconds; when its text changed, what it says takes effect at the next step boundary.
 A file that cannot be used is reported once (with every problem, as config errors are)
 and ignored: the settings in effect stay.
 """
@@ -33,13 +33,11 @@ if TYPE_CHECKING:
     from msprobe_engine.monitor import Monitor
     from msprobe_engine.stats.table import MetricKey
 
-if TYPE_CHECKING:
-    from msprobe_engine.monitor import Monitor
-    from msprobe_engine.stats.table import MetricKey
-
 log = logging.getLogger("msprobe_engine")
 
 CONTROL_NAME = "control.json"
+#: a control file larger than this is refused
+MAX_BYTES = 1 << 20
 #: `watch` key of the control file -> the kind of rows it mutes
 WATCH_KINDS = {"module_outputs": "actv", "activation_grads": "actv_grad", "param_grads": "grad",
                "params": "param", "optimizer_state": "optim"}
@@ -116,7 +114,7 @@ class ControlFile:
         self.watched = watched_kinds(watch)
         self.current = Control()
         self._last_poll = time.monotonic()
-        self._seen: tuple | None = None     # (mtime_ns, size) of the last file read
+        self._seen: str | None = None       # the text of the last read (None: no file)
         self._reading = False
         self._read: Any = None              # what the writer thread read: ("ok", data) | ("error", msg)
 
@@ -134,22 +132,21 @@ class ControlFile:
             self._reading = False
 
     def _look(self) -> None:
-        """Writer thread: read the file if it changed (or report that it went away)."""
+        """Writer thread: read the file; keep what it says when it differs from the last read
+        (a file that went away says {}: back to the config)."""
         try:
             try:
-                stat = self.path.stat()
+                if self.path.stat().st_size > MAX_BYTES:
+                    raise OSError(f"larger than {MAX_BYTES} bytes")
+                text = self.path.read_text(encoding="utf-8")
             except FileNotFoundError:
-                if self._seen is not None:
-                    self._seen, self._read = None, ("ok", {})
+                text = None
+            if text == self._seen:
                 return
-            seen = (stat.st_mtime_ns, stat.st_size)
-            if seen == self._seen:
-                return
-            self._seen = seen
-            try:
-                self._read = ("ok", json.loads(self.path.read_text(encoding="utf-8")))
-            except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-                self._read = ("error", f"cannot read: {str(exc)[:200]}")
+            self._seen = text
+            self._read = ("ok", {}) if text is None else ("ok", json.loads(text))
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+            self._read = ("error", f"cannot read: {str(exc)[:200]}")
         finally:
             self._reading = False
 

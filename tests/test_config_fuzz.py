@@ -19,7 +19,7 @@ MUTATIONS = 1200
 #: this many of the configs that load are also attached to a model and run for two steps
 ATTACHED = 25
 
-BAD_VALUES = [None, True, 0, -1, 5, 2 ** 63, 10 ** 400, -10 ** 400, 1e308, float("nan"), float("inf"),
+BAD_VALUES = [None, True, 0, -1, 5, 2 ** 63, 2 ** 1030, 10 ** 400, -10 ** 400, 1e308, float("nan"), float("inf"),
               float("-inf"), 0.5, "", "x", "(", "[a-", "*", "x" * 5000, [], ["("], [5], [None], {}, {"x": 1},
               {"rule_name": "AnomalyTurbulence", "args": {"threshold": "x"}}, [{"rule": "spike"}],
               [{"rule": "spike", "factor": float("nan")}], [{"rule": "trend", "window": 10 ** 400}]]

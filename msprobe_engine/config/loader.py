@@ -239,9 +239,10 @@ def _scalar(hint: type, value: Any, path: str, meta: typing.Mapping) -> Any:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif hint is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if ok and abs(value) > INT_LIMIT ** 20:  # beyond any sane bound (and float's range)
-            raise ConfigError(f"{path}: {_cut(repr(value), MAX_SHOWN)} is too large")
-        value = float(value) if ok else value
+        try:
+            value = float(value) if ok else value
+        except OverflowError:  # an integer beyond float's range
+            raise ConfigError(f"{path}: {_cut(repr(value), MAX_SHOWN)} is too large") from None
     else:
         ok = isinstance(value, hint)
     if not ok:
