@@ -176,16 +176,48 @@ def _graph_run(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------ check-config
 
+def _unreachable(config: Any, spec: str) -> list[str]:
+    """Warnings about rules that cannot fire on the model `module:factory` builds."""
+    import importlib
+
+    from msprobe_engine.config.reach import unreachable_rules
+
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"--model: expected MODULE:FACTORY, got {spec!r}")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"--model {spec}: {type(exc).__name__}: {exc}") from None
+    model = factory()
+    return unreachable_rules(config, model[0] if isinstance(model, tuple) else model)
+
+
 def _check_config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="a monitor config (.yaml, .yml or .json)")
+    p.add_argument("--model", metavar="MODULE:FACTORY",
+                   help="a function returning the model (or a tuple starting with it), called with no "
+                        "arguments: warn about rules whose metrics match no tag of that model")
 
 
 def _check_config_run(args: argparse.Namespace) -> int:
-    from msprobe_engine.config import load_config
+    """Every problem of the config on its own line (exit 1), or ok plus warnings (exit 0)."""
+    from msprobe_engine.config import ConfigError, load_config
+    from msprobe_engine.config.loader import problems
 
-    config = load_config(args.config)  # a ConfigError (a ValueError) names the key
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        errors = problems(exc)
+        for message in errors:
+            print(f"error: {message}", file=sys.stderr)
+        print(f"{args.config}: {len(errors)} error{'s' if len(errors) > 1 else ''}", file=sys.stderr)
+        return 1
+    warnings = _unreachable(config, args.model) if args.model else []
+    for message in warnings:
+        print(f"warning: {message}", file=sys.stderr)
     print(f"{args.config}: ok; output_dir={config.output_dir}, sinks={','.join(sink.name for sink in config.sinks)}, "
-          f"alerts={','.join(r.rule for r in config.alerts)}")
+          f"alerts={','.join(r.rule for r in config.alerts)}" + (f"; {len(warnings)} warning(s)" if warnings else ""))
     return 0
 
 

@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import time
+from pathlib import Path
 from collections import deque
 from typing import Any, Callable, Iterator, Sequence
 
@@ -41,6 +42,7 @@ from msprobe_engine.records import AlertEvent, StepRecord
 from msprobe_engine.health import HealthMeter
 from msprobe_engine.registry import framework_names, framework_of, load_framework
 from msprobe_engine.contract import StepLifecycle
+from msprobe_engine.control import CONTROL_NAME, ControlFile
 from msprobe_engine.rules import AlertTracker, Firing, build_rules
 from msprobe_engine.run_dir import open_run_dir
 from msprobe_engine.sinks import BackgroundWriter, create_sinks
@@ -91,6 +93,11 @@ class Monitor(StepLifecycle):
         self._metrics = MetricNamer(self.config.stats, "ratio" in self.config.watch.optimizer_state,
                                     HIDDEN_KINDS)
         self._tracker = AlertTracker()
+        control = self.config.control
+        #: the live control file (docs/control.md), polled at step boundaries
+        self.control = ControlFile(Path(control.file or Path(self.config.output_dir) / CONTROL_NAME),
+                                   control.interval_s, self._rules, self.config.schedule,
+                                   self.config.watch) if control.enabled else None
         self._count_zeros = "zero_count" in optional_columns(self.config.stats)
         self.decide_early = any(rule.action != "continue" for rule in self._rules)
         self._pending: list[tuple[int, list[MetricKey], Any]] = []
@@ -187,6 +194,10 @@ class Monitor(StepLifecycle):
         (the backend's `pick`)."""
         if not (self.active and tensors):
             return
+        if self.control is not None and self.control.current.muted:
+            keys, tensors, same = self.control.unmuted(keys, tensors, same, self._rows)
+            if not tensors:
+                return
         if self.backend is None:
             self._find_backend(tensors[0])
         measured = [t for t, prior in zip(tensors, same) if prior is None] if same else tensors
@@ -290,6 +301,9 @@ class Monitor(StepLifecycle):
             with self.guard("step end"):
                 record = self._finish_step()
         self._advance()
+        if self.control is not None:
+            with self.guard("control file"):
+                self.control.poll(self)
         return record
 
     def _advance(self) -> None:
@@ -335,7 +349,7 @@ class Monitor(StepLifecycle):
         for rule, saved in zip(self._rules, state["rules"]):
             rule.load_state_dict(saved["state"])
         self._tracker.load_state_dict(state["episodes"])
-        self._health.restore([(first.rule, first.tag) for _, first, _ in self._tracker.active.values()])
+        self._health.restore([(first.rule, first.tag) for first in self._tracker.open_episodes()])
         if self.incidents is not None and state.get("incidents"):
             self.incidents.load_state_dict(state["incidents"])
         self.records_written = int(state.get("records_written", 0))
@@ -510,13 +524,14 @@ class Monitor(StepLifecycle):
     def _evaluate(self, table: StatTable) -> list[Firing]:
         stats = table.finalized()
         metrics = self._metrics(table)
-        return [f for rule in self._rules for f in rule.evaluate(table, stats, metrics)]
+        return [f for rule in self._rules if rule.enabled for f in rule.evaluate(table, stats, metrics)]
 
     def _emit(self, step: int, table: StatTable, events: list[AlertEvent]) -> StepRecord:
         micro_steps = self._early_micro_steps.pop(step, self.micro_steps)
         metrics = self._health(table, events, self._metrics(table), (time.perf_counter() - self._host_since) * 1e3)
+        health = self.writer.health()  # writer/<sink>/failed, writer/dropped: only once something was lost
         record = StepRecord(step=step, rank=self.rank, micro_steps=micro_steps,
-                            metrics=metrics, alerts=events, wall_time=time.time())
+                            metrics={**metrics, **health} if health else metrics, alerts=events, wall_time=time.time())
         for event in events:
             log.warning("msprobe alert %s", _describe(event))
         self.history.append(record)

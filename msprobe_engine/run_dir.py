@@ -154,10 +154,16 @@ def _some_files(directory: Path, limit: int = 3) -> list[str]:
 
 
 def _prepare(rank_dir: Path) -> None:
-    """Create `rank_dir`, or raise `ConfigError` naming the path and the reason."""
+    """Create `rank_dir` and write a probe file in it, or raise `ConfigError` naming the path and
+    the reason (before training): a file in the way, no permission, a read-only file system."""
+    blocking = next((p for p in [rank_dir, *rank_dir.parents] if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise ConfigError(f"output_dir: cannot create {rank_dir}: {blocking} is a file, not a directory")
+    probe = rank_dir / f".msprobe-write-test-{os.getpid()}"
     try:
         rank_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
     except OSError as exc:
-        raise ConfigError(f"output_dir: cannot create {rank_dir}: {exc.strerror or exc}") from None
-    if not os.access(rank_dir, os.W_OK | os.X_OK):
-        raise ConfigError(f"output_dir: {rank_dir} is not writable")
+        where = exc.filename or rank_dir
+        raise ConfigError(f"output_dir: cannot write in {rank_dir}: {where}: {exc.strerror or exc}") from None

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from msprobe_engine.config.fields import at_least, choices, registered
+from msprobe_engine.config.fields import above, at_least, between, choices, pattern, registered
 from msprobe_engine.rules import RULES, Rule
 from msprobe_engine.sinks import SINKS, Sink
 from msprobe_engine.stats import DEFAULT_STATS, STATISTICS
@@ -22,7 +22,7 @@ REPLAY_LEVELS = ("L0", "mix")
 class Schedule:
     """Which optimizer steps are monitored: start <= step < end, every `interval`."""
     start_step: int = field(default=0, metadata=at_least(0))
-    end_step: Optional[int] = field(default=None, metadata=at_least(0))
+    end_step: Optional[int] = field(default=None, metadata={**at_least(0), **above("start_step")})
     interval: int = field(default=1, metadata=at_least(1))
 
     def is_monitored(self, step: int) -> bool:
@@ -47,9 +47,9 @@ class Watch:
 class ModuleSelection:
     """Modules whose activations are watched; all of them when every list is empty."""
     names: list[str] = field(default_factory=list)
-    regex: list[str] = field(default_factory=list)
+    regex: list[str] = field(default_factory=list, metadata=pattern())
     types: list[str] = field(default_factory=list)
-    exclude_regex: list[str] = field(default_factory=list)
+    exclude_regex: list[str] = field(default_factory=list, metadata=pattern())
 
 
 @dataclass(kw_only=True, slots=True)
@@ -80,6 +80,15 @@ class Incidents:
     replay: Replay = field(default_factory=Replay)
 
 
+@dataclass(kw_only=True, slots=True)
+class ControlSettings:
+    """The live control file (docs/control.md): `file` (default `<output_dir>/control.json`),
+    looked at every `interval_s` seconds at most, from the writer thread."""
+    enabled: bool = True
+    file: str = ""
+    interval_s: float = field(default=5.0, metadata=between(0.0, 86400.0))
+
+
 def default_rules() -> list[Rule.Config]:
     """non_finite on every kind, spike on the loss and the global gradient norm."""
     return [RULES.get(name).Config(rule=name) for name in ("non_finite", "spike")]
@@ -108,3 +117,4 @@ class MonitorConfig:
     per_rank: bool = False
     alerts: list[Rule.Config] = field(default_factory=default_rules, metadata=registered(RULES, "rule"))
     incidents: Incidents = field(default_factory=Incidents)
+    control: ControlSettings = field(default_factory=ControlSettings)

@@ -9,8 +9,10 @@ ignores ``.partial`` directories). A single-process run writes ``proc<pid>/`` as
 from __future__ import annotations
 
 import json
+import logging
 import linecache
 import os
+import re
 import shutil
 import zlib
 from dataclasses import dataclass
@@ -85,6 +87,48 @@ def write_file(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
+log = logging.getLogger("msprobe_engine")
+#: (dump path, partial directory name) already swept by this process
+_swept: set[tuple[str, str]] = set()
+
+
+def sweep_partials(dump_path: Path, partial_name: str) -> None:
+    """Once per process and dump path: remove the `step*/<partial_name>` directories that an
+    earlier run of this rank left when it crashed mid-step, logging how many and how large."""
+    key = (str(Path(dump_path).resolve()), partial_name)
+    if key in _swept:
+        return
+    _swept.add(key)
+    stale = [p for p in Path(dump_path).glob("step*/.*.partial") if p.is_dir() and _stale(p.name, partial_name)]
+    if not stale:
+        return
+    size = sum(f.stat().st_size for p in stale for f in p.rglob("*") if f.is_file())
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    log.warning("msprobe dump: removed %d unfinished step director%s (%s, %.1f MB) left in %s by an earlier run "
+                "that stopped mid-step", len(stale), "y" if len(stale) == 1 else "ies", partial_name,
+                size / 1e6, dump_path)
+
+
+def _stale(name: str, partial_name: str) -> bool:
+    """A partial directory left by an earlier run of this rank: one of this rank's own name, or,
+    in a single process, one of a process that is gone (``.proc<pid>.partial``)."""
+    if name == partial_name:
+        return True
+    pid = re.fullmatch(r"\.proc(\d+)\.partial", name)
+    return pid is not None and partial_name.startswith(".proc") and not _alive(int(pid.group(1)))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
 class StepFiles:
     """The directory of one (step, rank). Every method runs on the writer thread."""
 
@@ -102,6 +146,7 @@ class StepFiles:
 
     def _prepare(self) -> None:
         if not self._ready:
+            sweep_partials(self.final.parent.parent, self.partial.name)
             shutil.rmtree(self.partial, ignore_errors=True)  # left by a crashed run
             self.partial.mkdir(parents=True)
             self._ready = True

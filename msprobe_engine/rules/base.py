@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from msprobe_engine.config.fields import choices
+from msprobe_engine.config.fields import between, choices
 from msprobe_engine.registry import Registry
 from msprobe_engine.stats.table import StatTable
 
@@ -29,6 +29,7 @@ class Firing:
     threshold: float | None
     action: str
     also: tuple[str, ...] = ()  # other tags firing in the same episode (e.g. parent modules)
+    cooldown: int = 0  # clean evaluations after the last firing that still belong to the episode
 
 
 class Rule:
@@ -38,12 +39,17 @@ class Rule:
 
     @dataclass(kw_only=True, slots=True)
     class Config:
-        """`rule`: the registered name; `action`: what a firing does to the training."""
+        """`rule`: the registered name; `action`: what a firing does to the training;
+        `cooldown`: an episode ends after this many clean monitored steps in a row (0: at the
+        first), so the aftermath of one event (a disturbed training settling) is no new alert."""
         rule: str
         action: str = field(default="continue", metadata=choices(*ACTIONS))
+        cooldown: int = field(default=0, metadata=between(0, 1_000_000))
 
     def __init__(self, config: "Rule.Config") -> None:
         self.config = config
+        #: False while a control file switches the rule off (it is not evaluated)
+        self.enabled = True
 
     @property
     def action(self) -> str:

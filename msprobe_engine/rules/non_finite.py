@@ -38,7 +38,7 @@ class NonFiniteRule(Rule):
         first = int(hits[0])
         stat = "nan_count" if stats["nan_count"][first] > 0 else "inf_count"
         return [Firing(self.name, self.name, table.keys[first].tag(stat),
-                       float(stats[stat][first]), 0.0, self.action)]
+                       float(stats[stat][first]), 0.0, self.action, cooldown=self.config.cooldown)]
 
     def blame(self, table: StatTable, deviation: np.ndarray) -> np.ndarray:
         return table.non_finite()

@@ -5,6 +5,12 @@ is either `drop` (the job is dropped and counted) or `wait` (the training
 thread blocks until there is room). A job that raises is reported once per
 job kind and the writer goes on; in strict mode the first error is re-raised
 on the training thread at the next `flush()`/`close()`.
+
+Failures are counted per sink (a job kind `"<name> sink <what>"` counts under `<name>`):
+`health()` gives them as metrics for the step records, and `close()` logs a summary.
+Threads a sink's library starts (tensorboard's event writer) print no raw traceback
+when they die on a full disk: `contain_thread_errors` logs one line instead (the error
+itself reaches the sink's next call, where it is counted).
 """
 from __future__ import annotations
 
@@ -16,6 +22,8 @@ from typing import Callable
 log = logging.getLogger("msprobe_engine")
 
 _STOP = object()
+#: modules whose threads die with one logged line instead of a traceback
+CONTAINED_THREAD_MODULES = ("tensorboard.",)
 
 
 class BackgroundWriter:
@@ -25,8 +33,12 @@ class BackgroundWriter:
         self._strict = strict
         self.dropped = 0
         self.failed = 0
+        #: failed jobs per sink (or per job kind outside a sink), and the last error of each
+        self.failures: dict[str, int] = {}
+        self.last_error: dict[str, str] = {}
         self._reported: set[str] = set()
         self._error: BaseException | None = None
+        contain_thread_errors()
         self._thread = threading.Thread(target=self._run, name="msprobe-writer", daemon=True)
         self._thread.start()
 
@@ -41,6 +53,20 @@ class BackgroundWriter:
                 log.warning("msprobe writer queue is full: dropping %s (further drops are counted)", kind)
             return False
 
+    def health(self) -> dict[str, float]:
+        """`writer/<sink>/failed` and `writer/dropped` counts so far, only those above zero."""
+        out = {f"writer/{name}/failed": float(count) for name, count in self.failures.items()}
+        if self.dropped:
+            out["writer/dropped"] = float(self.dropped)
+        return out
+
+    def summary(self) -> str:
+        """One line on what could not be written (empty when everything was)."""
+        parts = [f"{name}: {count} failed ({self.last_error[name]})" for name, count in self.failures.items()]
+        if self.dropped:
+            parts.append(f"{self.dropped} dropped (queue full)")
+        return "; ".join(parts)
+
     def flush(self) -> None:
         """Block until every queued job has run; raise the first error in strict mode."""
         self._queue.join()
@@ -50,6 +76,9 @@ class BackgroundWriter:
         if self._thread.is_alive():
             self._queue.put((_STOP, "stop"))
             self._thread.join()
+        summary = self.summary()
+        if summary:
+            log.warning("msprobe writer: not everything was written: %s", summary)
         self._raise_if_strict()
 
     def _raise_if_strict(self) -> None:
@@ -66,9 +95,35 @@ class BackgroundWriter:
                 job()
             except Exception as exc:  # reported, never kills training
                 self.failed += 1
+                owner = kind.partition(" sink ")[0]
+                self.failures[owner] = self.failures.get(owner, 0) + 1
+                self.last_error[owner] = f"{type(exc).__name__}: {exc}"[:200]
                 self._error = self._error or exc
                 if kind not in self._reported:
                     self._reported.add(kind)
-                    log.error("msprobe writer: %s failed: %s: %s", kind, type(exc).__name__, exc)
+                    log.error("msprobe writer: %s failed: %s: %s (further failures are counted)",
+                              kind, type(exc).__name__, exc)
             finally:
                 self._queue.task_done()
+
+
+_previous_hook = None
+
+
+def contain_thread_errors() -> None:
+    """Install (once) a `threading.excepthook` that turns the death of a thread started by a
+    sink's library (`CONTAINED_THREAD_MODULES`) into one logged line; other threads keep the
+    hook they had."""
+    global _previous_hook
+    if _previous_hook is not None:
+        return
+    _previous_hook = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if type(args.thread).__module__.startswith(CONTAINED_THREAD_MODULES) and args.exc_type is not SystemExit:
+            log.error("msprobe writer: %s thread stopped: %s: %s", type(args.thread).__name__,
+                      args.exc_type.__name__, args.exc_value)
+            return
+        _previous_hook(args)
+
+    threading.excepthook = hook

@@ -109,7 +109,7 @@ def partial_stats(tensors: Sequence[torch.Tensor], count_zeros: bool = False, de
     groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
     reduced: dict[int, int] = {}  # id of a tensor given more than once (x, x, x) -> its first row
     for pos, tensor in enumerate(tensors):
-        flat = tensor.detach().reshape(-1)
+        flat = _values(tensor)
         numel = flat.numel()
         if numel > SMALL_NUMEL:
             first = reduced.setdefault(id(tensor), len(pending.positions))
@@ -130,6 +130,17 @@ def partial_stats(tensors: Sequence[torch.Tensor], count_zeros: bool = False, de
             for pos, flat in members:
                 _reduce(pending, pos, flat, count_zeros)
     return pending if deferred else concat([pending])
+
+
+def _values(tensor: torch.Tensor) -> torch.Tensor:
+    """The values a tensor's statistics are taken on, flat: a sparse tensor's stored values,
+    a complex tensor's magnitudes (non-finite where either part is: |nan+1j| is nan, |inf+nanj| inf)."""
+    flat = tensor.detach()
+    if flat.layout != torch.strided:
+        flat = flat.coalesce().values() if flat.layout == torch.sparse_coo else flat.values()
+    if flat.is_complex():
+        flat = flat.abs()
+    return flat.reshape(-1)
 
 
 def _reduce(pending: Pending, pos: int, flat: torch.Tensor, count_zeros: bool) -> None:

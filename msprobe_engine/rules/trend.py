@@ -1,0 +1,100 @@
+"""`trend`: a norm growing steadily, caught before it overflows to inf or nan."""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from msprobe_engine.config.fields import between, choices
+from msprobe_engine.rules.base import Firing, Rule, register_rule
+from msprobe_engine.rules.tags import TagMatcher, one_episode
+
+METHODS = ("slope", "zscore")
+
+
+@register_rule("trend")
+class TrendRule(Rule):
+    """A watched norm (`metrics`: tags or globs) on a steady blow-up, while it is still finite.
+
+    `method: slope`: the least-squares slope of log(norm) over the last `window` observations
+    says the norm grows `factor` times (or more) over the window, and the fit is steady (its
+    R^2 at least `min_r2`). `method: zscore`: log(norm) is more than `z` standard deviations
+    above the mean of the tag's own history (the `window` observations before it), `steps`
+    observations in a row. Zeros and non-finite values are not observations (the
+    `non_finite` rule reports those)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Rule.Config):
+        metrics: list[str] = field(default_factory=lambda: ["grad/*/norm", "actv/*/output*/norm"])
+        method: str = field(default="slope", metadata=choices(*METHODS))
+        window: int = field(default=20, metadata=between(3, 100_000))
+        factor: float = field(default=10.0, metadata=between(1.0, 1e12))
+        min_r2: float = field(default=0.8, metadata=between(0.0, 1.0))
+        z: float = field(default=6.0, metadata=between(0.0, 1e6))
+        steps: int = field(default=3, metadata=between(1, 100_000))
+
+    def __init__(self, config: "TrendRule.Config") -> None:
+        super().__init__(config)
+        self.watched = TagMatcher(config.metrics)
+        self._history: dict[str, deque[float]] = {}
+        self._streak: dict[str, int] = {}
+        x = np.arange(config.window, dtype=np.float64)
+        self._x = x - x.mean()  # centred steps of a full window, for the slope
+
+    def evaluate(self, table, stats, metrics) -> list[Firing]:
+        hits = []
+        for tag, value in self.watched.candidates(metrics):
+            if not (math.isfinite(value) and value > 0):
+                continue
+            history = self._history.get(tag)
+            if history is None:
+                history = self._history[tag] = deque(maxlen=self.config.window)
+            level = math.log(value)
+            threshold = self._slope(history, level) if self.config.method == "slope" else \
+                self._zscore(tag, history, level)
+            if threshold is not None:
+                hits.append((tag, value, threshold))
+        return one_episode(self, hits)
+
+    def _slope(self, history: deque[float], level: float) -> float | None:
+        """Fires when the window (with this value) grows `factor` x; returns the norm the
+        window started from times `factor`."""
+        history.append(level)
+        if len(history) < self.config.window:
+            return None
+        y = np.fromiter(history, dtype=np.float64)
+        y = y - y.mean()
+        slope = float(self._x @ y / (self._x @ self._x))
+        spread = float(y @ y)
+        r2 = 1.0 if spread == 0 else (slope * slope * float(self._x @ self._x)) / spread
+        grown = slope * (self.config.window - 1)
+        if grown >= math.log(self.config.factor) and r2 >= self.config.min_r2:
+            return math.exp(history[0] + math.log(self.config.factor))
+        return None
+
+    def _zscore(self, tag: str, history: deque[float], level: float) -> float | None:
+        """Fires after `steps` values in a row `z` deviations above the history; the values
+        that fire do not join the history. Returns the norm `z` deviations above its mean."""
+        if len(history) < self.config.window:
+            history.append(level)
+            return None
+        past = np.fromiter(history, dtype=np.float64)
+        mean, std = float(past.mean()), float(past.std())
+        limit = mean + self.config.z * max(std, 1e-3)
+        if level <= limit:
+            history.append(level)
+            self._streak[tag] = 0
+            return None
+        streak = self._streak[tag] = self._streak.get(tag, 0) + 1
+        return math.exp(limit) if streak >= self.config.steps else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": {tag: list(h) for tag, h in self._history.items()}, "streak": dict(self._streak)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._history = {str(tag): deque(map(float, h), maxlen=self.config.window)
+                         for tag, h in state.get("history", {}).items()}
+        self._streak = {str(k): int(v) for k, v in state.get("streak", {}).items()}

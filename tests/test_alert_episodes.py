@@ -1,0 +1,120 @@
+"""Held-out alert checks with the shipped config (configs/full.yaml) on a model written for
+these tests (tests/health_models.py): spikes and nans injected at random layers and steps
+are each exactly one alert episode, named after the layer they were injected in; a clean
+training whose loss falls raises no alert in 300 steps; a run made to diverge (learning rate
+raised mid-run) is caught by the trend rule before any value is non-finite."""
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from health_models import INPUTS, Faults, Teacher, build, train
+from msprobe_engine.monitor import Monitor
+from msprobe_engine.rules.tags import innermost
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+STEPS = 300
+#: where faults may be injected: layers, an activation, and parents of other modules
+PLACES = ["inp", "blocks.0.fc", "blocks.1.fc", "blocks.1.act", "blocks.2", "blocks.2.fc", "head"]
+
+
+def shipped_config(out: Path, **changes) -> dict:
+    config = yaml.safe_load((CONFIGS / "full.yaml").read_text())
+    config.update(output_dir=str(out), **changes)
+    return config
+
+
+def run(out: Path, plan: dict[int, tuple[str, str]] | None = None, steps: int = STEPS):
+    model = build()
+    optimizer = torch.optim.Adam(model.parameters(), 3e-3)
+    faults = Faults(model, plan) if plan else None  # before the monitor: its hooks see the fault
+    monitor = Monitor(shipped_config(out)).attach(model, optimizer)
+    losses = train(model, monitor, steps, optimizer, faults)
+    monitor.close()
+    return monitor, losses
+
+
+def fault_plan(seed: int) -> dict[int, tuple[str, str]]:
+    """Five faults at random steps (at least 35 apart, after the spike rule's warm-up)."""
+    rng = random.Random(seed)
+    steps = sorted(rng.sample(range(40, STEPS - 20, 35), 5))
+    return {step + rng.randint(0, 5): (rng.choice(PLACES), rng.choice(["spike", "nan"])) for step in steps}
+
+
+@pytest.mark.slow
+def test_a_clean_training_raises_no_alert_in_300_steps(tmp_path):
+    monitor, losses = run(tmp_path)
+    assert sum(losses[-20:]) < 0.1 * sum(losses[:20])  # it learns: the loss falls normally
+    assert list(monitor.alert_log) == []
+    assert monitor.records_written == STEPS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1])
+def test_each_injected_fault_is_one_episode_named_after_its_layer(tmp_path, seed):
+    plan = fault_plan(seed)
+    monitor, _ = run(tmp_path, plan)
+    starts = [e for e in monitor.alert_log if e.phase == "start"]
+    assert [e.step for e in starts] == sorted(plan), (plan, [(e.rule, e.step, e.tag) for e in starts])
+    for event in starts:
+        place, kind = plan[event.step]
+        stat = "norm" if kind == "spike" else "nan_count"
+        assert (event.rule, event.tag) == ("spike" if kind == "spike" else "non_finite",
+                                           f"actv/{place}/output/{stat}"), (event, plan)
+    spikes = [e for e in starts if e.rule == "spike"]
+    lines = [json.loads(line) for line in (tmp_path / "rank0" / "metrics.jsonl").open()]
+    logged = [a for line in lines for a in line["alerts"] if a["phase"] == "start"]
+    assert len(logged) == len(starts)
+    for event in spikes:  # the other modules of the event are listed with it, not alerted apart
+        assert event.also and f"actv/{plan[event.step][0]}/output/norm" not in event.also
+
+
+def test_the_innermost_related_module_names_the_event():
+    tags = ["actv/blocks.1/output/norm", "actv/blocks.1.fc/output/norm", "actv/blocks.1.fc.inner/output/norm",
+            "actv/blocks.10.fc.x.y/output/norm", "grad/blocks.1.fc.inner.weight/norm"]
+    assert innermost(tags) == 2  # blocks.10... is no child of blocks.1; grad rows are another statistic
+    assert innermost(["actv/a:1/output/norm", "actv/a.b/output/norm"]) == 1  # a second call of `a`
+
+
+def test_a_series_rising_from_zero_warms_up_before_it_can_spike():
+    """Optimizer moments start at zero and grow for many steps: no spike while they do, but a
+    x10 jump once they have settled is one."""
+    from msprobe_engine.config import load_config
+    from msprobe_engine.rules import build_rules
+
+    rule, = build_rules(load_config({"alerts": [{"rule": "spike", "metrics": ["optim/*"]}]}).alerts)
+    beta2 = 0.999
+    moment = [0.0, 0.0] + [math.sqrt(1 - beta2 ** t) for t in range(1, 200)]  # norm of exp_avg_sq, roughly
+    fired = [i for i, value in enumerate(moment) if rule.evaluate(None, {}, {"optim/w/exp_avg_sq/norm": value})]
+    assert fired == []
+    assert rule.evaluate(None, {}, {"optim/w/exp_avg_sq/norm": 10 * moment[-1]})
+
+
+def _diverging_run(out: Path, trend: dict) -> tuple[Monitor, list[float]]:
+    """Linear regression trained by SGD; at step 60 the learning rate goes past the stable
+    limit: the weights then grow by a steady factor per step until they overflow."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(INPUTS, 1))
+    optimizer = torch.optim.SGD(model.parameters(), 0.05)
+    config = shipped_config(out, sinks=[], incidents={"enabled": False})
+    config["alerts"] = [a for a in config["alerts"] if a["rule"] != "trend"] + [{"rule": "trend", **trend}]
+    monitor = Monitor(config).attach(model, optimizer)
+    losses = train(model, monitor, 200, optimizer, lr_at={60: 1.3}, teacher=Teacher())
+    monitor.close()
+    return monitor, losses
+
+
+@pytest.mark.parametrize("trend", [{}, {"method": "zscore", "z": 6.0, "steps": 3}], ids=["slope", "zscore"])
+def test_the_trend_rule_warns_before_the_first_non_finite_value(tmp_path, trend):
+    monitor, losses = _diverging_run(tmp_path, trend)
+    first_bad = next(i for i, loss in enumerate(losses) if not math.isfinite(loss))  # it did diverge
+    events = [e for e in monitor.alert_log if e.phase == "start"]
+    trend_starts = [e.step for e in events if e.rule == "trend"]
+    non_finite = [e.step for e in events if e.rule == "non_finite"]
+    assert trend_starts and non_finite, events
+    assert 60 < trend_starts[0] < first_bad <= non_finite[0]
+    assert math.isfinite(next(e for e in events if e.rule == "trend").value)
