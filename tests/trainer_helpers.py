@@ -1,0 +1,109 @@
+"""Shared set-up of the trainer-callback tests (HF Trainer, Lightning): tiny models, data,
+a nan injected into a named layer at a chosen optimizer step, and one-call drivers.
+
+The drivers (`hf_run`, `lightning_run`) train with gradient accumulation 2 and return the
+callback (its `.monitor` holds the run's history and incidents); `faults` maps an
+optimizer step to nothing but a nan in `LAYER`'s output. With the config of
+`action_config(tmp, "skip")` the nan step is skipped; with "stop" the run ends there.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: the layer whose output is made nan (GPT-2 naming; the Lightning model uses the same path)
+LAYER = "transformer.h.1.mlp"
+GAS = 2
+SEQ = 16
+MICRO_BATCH = 2
+
+
+# ---- models and data ---------------------------------------------------------------------
+def gpt2(seed: int = 0):
+    """A random-init GPT-2 (no download), without dropout so that runs are reproducible."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0,
+                        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)
+
+
+def token_rows(count: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(count):
+        ids = torch.randint(1, 64, (SEQ,), generator=generator)
+        rows.append({"input_ids": ids, "labels": ids.clone()})
+    return rows
+
+
+class FaultAt:
+    """A forward hook on `module` that makes its output nan on the given optimizer steps
+    (counting training forwards of `root`, `GAS` per step)."""
+
+    def __init__(self, root: torch.nn.Module, module: torch.nn.Module, steps: set[int], gas: int = GAS) -> None:
+        self.forwards, self.steps, self.gas = 0, steps, gas
+        self.handles = [root.register_forward_pre_hook(self._count),
+                        module.register_forward_hook(self._corrupt)]
+
+    def _count(self, module, args) -> None:
+        if module.training:
+            self.forwards += 1
+
+    def _corrupt(self, module, args, output):
+        if module.training and (self.forwards - 1) // self.gas in self.steps:
+            return output * float("nan")
+        return None
+
+
+def action_config(out: Path, action: str = "continue", **overrides) -> dict:
+    """Strict; jsonl only; a nan anywhere fires `non_finite` with `action`."""
+    return {"strict": True, "output_dir": str(out), "sinks": ["jsonl"],
+            "stats": ["min", "max", "mean", "norm", "numel", "nan_count"],
+            "alerts": [{"rule": "non_finite", "action": action}], **overrides}
+
+
+def incidents(out: Path) -> dict[str, dict]:
+    """incident directory name -> incident.json, every rank's."""
+    return {d.parent.name: json.loads(d.read_text()) for d in sorted(Path(out).glob("incidents/*/incident.json"))}
+
+
+# ---- Hugging Face Trainer -----------------------------------------------------------------
+def hf_args(out: Path, **overrides):
+    from transformers import TrainingArguments
+
+    options = dict(output_dir=str(out / "trainer"), use_cpu=True, report_to=[], save_strategy="no",
+                   disable_tqdm=True, per_device_train_batch_size=MICRO_BATCH, gradient_accumulation_steps=GAS,
+                   learning_rate=1e-3, max_steps=3, logging_steps=10 ** 6, seed=0, data_seed=0,
+                   dataloader_num_workers=0)
+    return TrainingArguments(**{**options, **overrides})
+
+
+def hf_run(out: Path, config: Any, *, faults: set[int] = frozenset(), model=None, rows: int = 24,
+           resume: str | None = None, optimizers=(None, None), **args):
+    """Train GPT-2 with the HF Trainer and `MonitorCallback(config)`; returns (callback, trainer)."""
+    from transformers import Trainer
+
+    from msprobe_integrations.hf import MonitorCallback
+
+    model = model if model is not None else gpt2()
+    fault = FaultAt(model, model.get_submodule(LAYER), set(faults))
+    callback = MonitorCallback(config=config)
+    trainer = Trainer(model=model, args=hf_args(out, **args), train_dataset=token_rows(rows), callbacks=[callback],
+                      optimizers=optimizers)
+    trainer.train(resume_from_checkpoint=resume)
+    for handle in fault.handles:
+        handle.remove()
+    # the Trainer re-creates stateful callbacks on a resume with restore_callback_states_from_checkpoint
+    (callback,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, MonitorCallback)]
+    return callback, trainer
+
+
+def hf_lifecycle_run(out: Path, action: str = "skip"):
+    """For the lifecycle-order test: 3 optimizer steps of 2 micro-batches; a nan at step 1
+    makes `action` (skip: step 1 is skipped, the run goes on; stop: the run ends at step 1)."""
+    return hf_run(out, action_config(out, action), faults={1})
