@@ -142,7 +142,7 @@ def test_deepspeed_zero2_on_two_ranks_merges_and_names_the_layer(tmp_path):
     results = run_ranks(_deepspeed_rank, 2, str(tmp_path), timeout=400, env={"DS_ACCELERATOR": "cpu"})
     for rank, result in enumerate(results):
         assert result["adapter"] and result["global_step"] == 3
-        assert result["steps"] == [0, 1, 2] if rank == 0 else result["steps"] == [0, 1, 2]
+        assert result["steps"] == [0, 1, 2]  # every rank holds the merged records
         assert math.isnan(result["norms"][1]) and math.isfinite(result["norms"][2])
         # merged over the ranks: both ranks' micro-batches (2 ranks x GAS x 2 rows x 16 tokens x 32)
         assert result["numel"] == 2 * GAS * 2 * 16 * 32
