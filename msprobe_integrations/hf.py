@@ -51,6 +51,7 @@ from msprobe_engine.contract import Integration
 from msprobe_engine.incident.actions import TrainingStopped
 from msprobe_engine.monitor import Monitor
 from msprobe_engine.stats.table import MetricKey
+from msprobe_integrations.trainer_hooks import Handles, agree
 
 __all__ = ["MonitorCallback"]
 
@@ -142,11 +143,11 @@ class TrainerHooks(Integration):
         self.reads = OptimizerHooks(monitor, model, None, read_grads=False)
         self._loss_is_share = False  # the model divides its loss by the step's token count
         handles = [ModuleHooks(monitor, model),
-                   _Handles([model.register_forward_hook(self._loss_hook, with_kwargs=True)])]
+                   Handles([model.register_forward_hook(self._loss_hook, with_kwargs=True)])]
         if monitor.config.watch.param_grads and ranks == 1:
             from accelerate.state import GradientState
             self._gradient_state = GradientState()
-            handles.append(_Handles([p.register_post_accumulate_grad_hook(partial(self._grad_hook, MetricKey("grad", n)))
+            handles.append(Handles([p.register_post_accumulate_grad_hook(partial(self._grad_hook, MetricKey("grad", n)))
                                      for n, p in model.named_parameters() if p.requires_grad]))
         monitor.add_attachment(*handles)
 
@@ -192,7 +193,7 @@ class TrainerHooks(Integration):
         except TrainingStopped:
             skip = stop = True
         if deciding and self.ranks > 1:
-            skip, stop = _agree(skip, stop)
+            skip, stop = agree(skip, stop)
         if skip and self.optimizer is not None:
             from msprobe_engine.frameworks.torch.optimizer_hooks import set_aside_grads
             self._held = set_aside_grads(p for group in self.optimizer.param_groups for p in group["params"])
@@ -206,27 +207,6 @@ class TrainerHooks(Integration):
         if self.reads is not None and self.optimizer is not None:
             self.reads.after_step(self.optimizer)
         self.monitor.after_optimizer_step()
-
-
-class _Handles:
-    """torch hook handles as one attachment."""
-
-    def __init__(self, handles: list) -> None:
-        self.handles = handles
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-
-
-def _agree(skip: bool, stop: bool) -> tuple[bool, bool]:
-    """DDP: every rank decides on its own loss and activations; take the most cautious."""
-    import torch.distributed as dist
-
-    flags = torch.tensor([float(skip or stop), float(stop)])
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return bool(flags[0]), bool(flags[1])
 
 
 def _torch_optimizer(optimizer: Any, warn) -> torch.optim.Optimizer | None:

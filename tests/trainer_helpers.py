@@ -107,3 +107,52 @@ def hf_lifecycle_run(out: Path, action: str = "skip"):
     """For the lifecycle-order test: 3 optimizer steps of 2 micro-batches; a nan at step 1
     makes `action` (skip: step 1 is skipped, the run goes on; stop: the run ends at step 1)."""
     return hf_run(out, action_config(out, action), faults={1})
+
+
+# ---- Lightning -----------------------------------------------------------------------------
+#: the faulty layer's name inside the LightningModule (the GPT-2 is its `gpt` attribute)
+LIT_LAYER = f"gpt.{LAYER}"
+
+
+def lit_module(seed: int = 0, lr: float = 1e-3):
+    """A LightningModule around the GPT-2 of `gpt2()`, AdamW; its loss is the model's own."""
+    import lightning.pytorch as pl
+
+    class LitGPT(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gpt = gpt2(seed)
+
+        def training_step(self, batch, batch_idx):
+            return self.gpt(**batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=lr)
+
+    return LitGPT()
+
+
+def lightning_run(out: Path, config: Any, *, faults: set[int] = frozenset(), module=None, rows: int = 24,
+                  ckpt_path: str | None = None, callbacks: list = (), **trainer_args):
+    """`trainer.fit` with `MonitorCallback(config)`, accumulation GAS; returns (callback, trainer)."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from msprobe_integrations.lightning import MonitorCallback
+
+    module = module if module is not None else lit_module()
+    fault = FaultAt(module.gpt, module.get_submodule(LIT_LAYER), set(faults))
+    callback = MonitorCallback(config=config)
+    options = dict(accelerator="cpu", devices=1, max_steps=3, accumulate_grad_batches=GAS, logger=False,
+                   enable_checkpointing=bool(callbacks), enable_progress_bar=False, enable_model_summary=False,
+                   default_root_dir=str(out / "lightning"), num_sanity_val_steps=0)
+    trainer = pl.Trainer(callbacks=[callback, *callbacks], **{**options, **trainer_args})
+    trainer.fit(module, DataLoader(token_rows(rows), batch_size=MICRO_BATCH), ckpt_path=ckpt_path)
+    for handle in fault.handles:
+        handle.remove()
+    return callback, trainer
+
+
+def lightning_lifecycle_run(out: Path, action: str = "skip"):
+    """For the lifecycle-order test: as `hf_lifecycle_run`, under Lightning."""
+    return lightning_run(out, action_config(out, action), faults={1})
