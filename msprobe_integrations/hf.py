@@ -90,8 +90,10 @@ class MonitorCallback(TrainerCallback, ExportableState):
         if engine is not None:
             self.monitor = _deepspeed_monitor(engine, self.config, self)
         else:
+            # with average_tokens_across_devices the Trainer multiplies a token share by the ranks
             self.monitor = TrainerHooks(model, optimizer, self.config, start_step=state.global_step,
-                                        ranks=args.world_size)
+                                        ranks=args.world_size,
+                                        share_scale=args.world_size if args.average_tokens_across_devices else 1)
         self._restore(state)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
@@ -123,7 +125,7 @@ class TrainerHooks(Integration):
     The callback calls `before_optimizer_step` / `after_optimizer_step` / `step_end`."""
 
     def __init__(self, model: Any, optimizer: Any, config: ConfigSource = None, *, start_step: int = 0,
-                 ranks: int = 1) -> None:
+                 ranks: int = 1, share_scale: int = 1) -> None:
         from msprobe_engine.frameworks.torch import backend
         from msprobe_engine.frameworks.torch.module_hooks import ModuleHooks
         from msprobe_engine.frameworks.torch.optimizer_hooks import OptimizerHooks
@@ -132,6 +134,7 @@ class TrainerHooks(Integration):
         monitor = self.monitor
         self.model = model
         self.ranks = ranks
+        self.share_scale = share_scale
         self.optimizer = _torch_optimizer(optimizer, monitor.warn)
         self._losses: list[torch.Tensor] = []
         self._held: list = []
@@ -180,7 +183,7 @@ class TrainerHooks(Integration):
         if monitor.active and losses:
             with monitor.guard("loss"):  # the step's loss: the sum of shares, else the mean
                 losses = torch.stack(losses)
-                monitor.report_loss(losses.sum() if self._loss_is_share else losses)
+                monitor.report_loss(losses.sum() * self.share_scale if self._loss_is_share else losses)
         if self.ranks > 1 and monitor.config.watch.param_grads and monitor.active:
             with monitor.guard("gradients"):
                 grads = [(n, p.grad) for n, p in self.reads.params if p.grad is not None]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.multiproc import run_ranks
-from tests.trainer_helpers import GAS, LAYER, action_config, gpt2, hf_run, incidents
+from tests.trainer_helpers import GAS, LAYER, action_config, ddp_rank, gpt2, hf_run, incidents
 
 pytestmark = pytest.mark.slow  # each test trains with the real Trainer (a few seconds, most of it imports)
 
@@ -148,3 +148,11 @@ def test_deepspeed_zero2_on_two_ranks_merges_and_names_the_layer(tmp_path):
         assert result["numel"] == 2 * GAS * 2 * 16 * 32
         incident = result["incidents"][f"step1-rank{rank}-non_finite"]
         assert (incident["action"], incident["culprit"]["call"]) == ("skip", LAYER)
+
+
+def test_ddp_ranks_agree_on_a_skip_only_one_rank_saw(tmp_path):
+    results = run_ranks(ddp_rank, 2, str(tmp_path), "hf", timeout=300)
+    assert [r["world"] for r in results] == [2, 2]
+    assert results[0]["alerts"] == [(1, "start"), (2, "end")] and results[1]["alerts"] == []
+    assert all(r["finite"] and r["steps"] == [0, 1, 2] for r in results)  # rank 1 skipped the step too
+    assert results[0]["checksum"] == results[1]["checksum"]

@@ -156,3 +156,24 @@ def lightning_run(out: Path, config: Any, *, faults: set[int] = frozenset(), mod
 def lightning_lifecycle_run(out: Path, action: str = "skip"):
     """For the lifecycle-order test: as `hf_lifecycle_run`, under Lightning."""
     return lightning_run(out, action_config(out, action), faults={1})
+
+
+# ---- DDP on CPU (gloo), run in each rank by tests.multiproc.run_ranks ------------------------------
+def ddp_rank(rank: int, world: int, out: str, trainer: str) -> dict:
+    """A nan in rank 0's activations only, under a skip rule on activations alone: rank 1 sees
+    nothing wrong (its gradients are nan through DDP's all-reduce, which the rule does not
+    watch), so only the ranks' agreement makes it skip too. Returns what the test checks."""
+    out = Path(out)
+    config = action_config(out / "monitor", "skip", alerts=[{"rule": "non_finite", "action": "skip",
+                                                               "targets": ["actv"]}])
+    faults = {1} if rank == 0 else set()
+    if trainer == "hf":
+        callback, hf = hf_run(out, config, faults=faults, rows=48)
+        params, world_size = list(hf.model.parameters()), hf.args.world_size
+    else:
+        callback, pl = lightning_run(out, config, faults=faults, rows=48, devices=world, strategy="ddp")
+        params, world_size = list(pl.lightning_module.parameters()), pl.world_size
+    return {"world": world_size, "steps": [r.step for r in callback.monitor.history],
+            "alerts": [(a.step, a.phase) for r in callback.monitor.history for a in r.alerts],
+            "finite": all(bool(torch.isfinite(p).all()) for p in params),
+            "checksum": [float(p.detach().double().sum()) for p in params]}
