@@ -48,6 +48,18 @@ def inject_nan(model, layer: str, at_step: int, accumulation: int) -> None:
     model.get_submodule(layer).register_forward_hook(corrupt)
 
 
+def summarize(monitor) -> None:
+    """The last step, the alerts, and where to look (rank 0)."""
+    if monitor.rank != 0 or not monitor.history:
+        return
+    last = monitor.history[-1]
+    print(f"{len(monitor.history)} steps monitored; step {last.step}: loss {last.metrics['train/loss']:.4f}, "
+          f"gradient norm (before clipping) {last.metrics['grad/global/norm']:.4f}")
+    for event in monitor.alert_log:
+        print(f"alert {event.rule} {event.phase} at step {event.step}: {event.tag}")
+    print(f"tensorboard --logdir {monitor.config.output_dir}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", default="./hf_output")
@@ -77,14 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     callback = MonitorCallback(config=config)
     trainer = Trainer(model=model, args=training, train_dataset=token_rows(256), callbacks=[callback])
     trainer.train()
-    monitor = callback.monitor
-    if monitor.rank == 0 and monitor.history:
-        last = monitor.history[-1]
-        print(f"{len(monitor.history)} steps monitored; step {last.step}: loss {last.metrics['train/loss']:.4f}, "
-              f"gradient norm (before clipping) {last.metrics['grad/global/norm']:.4f}")
-        for event in monitor.alert_log:
-            print(f"alert {event.rule} {event.phase} at step {event.step}: {event.tag}")
-        print(f"tensorboard --logdir {monitor.config.output_dir}")
+    summarize(callback.monitor)
     return 0
 
 

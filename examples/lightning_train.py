@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from examples.hf_trainer import LAYER, inject_nan, tiny_gpt2, token_rows
+from examples.hf_trainer import LAYER, inject_nan, summarize, tiny_gpt2, token_rows
 
 
 def lit_gpt2(lr: float = 1e-3):
@@ -57,13 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                          gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=args.output_dir, callbacks=[callback])
     trainer.fit(module, DataLoader(token_rows(256), batch_size=4))
-    monitor = callback.monitor
-    last = monitor.history[-1]
-    print(f"{len(monitor.history)} steps monitored; step {last.step}: loss {last.metrics['train/loss']:.4f}, "
-          f"gradient norm (before clipping) {last.metrics['grad/global/norm']:.4f}")
-    for event in monitor.alert_log:
-        print(f"alert {event.rule} {event.phase} at step {event.step}: {event.tag}")
-    print(f"tensorboard --logdir {args.output_dir}")
+    summarize(callback.monitor)
     return 0
 
 

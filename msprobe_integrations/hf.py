@@ -51,7 +51,7 @@ from msprobe_engine.contract import Integration
 from msprobe_engine.incident.actions import TrainingStopped
 from msprobe_engine.monitor import Monitor
 from msprobe_engine.stats.table import MetricKey
-from msprobe_integrations.trainer_hooks import Handles, agree
+from msprobe_integrations.trainer_hooks import Handles, decide
 
 __all__ = ["MonitorCallback"]
 
@@ -143,7 +143,7 @@ class TrainerHooks(Integration):
                          "activations, gradients and the loss are not monitored")
             self.reads = None
             return
-        self.reads = OptimizerHooks(monitor, model, None, read_grads=False)
+        self.reads = OptimizerHooks(monitor, model, None, read_grads=ranks > 1)
         self._loss_is_share = False  # the model divides its loss by the step's token count
         handles = [ModuleHooks(monitor, model),
                    Handles([model.register_forward_hook(self._loss_hook, with_kwargs=True)])]
@@ -151,7 +151,7 @@ class TrainerHooks(Integration):
             from accelerate.state import GradientState
             self._gradient_state = GradientState()
             handles.append(Handles([p.register_post_accumulate_grad_hook(partial(self._grad_hook, MetricKey("grad", n)))
-                                     for n, p in model.named_parameters() if p.requires_grad]))
+                                    for n, p in model.named_parameters() if p.requires_grad]))
         monitor.add_attachment(*handles)
 
     # ---- hooks ------------------------------------------------------------------
@@ -184,22 +184,8 @@ class TrainerHooks(Integration):
             with monitor.guard("loss"):  # the step's loss: the sum of shares, else the mean
                 losses = torch.stack(losses)
                 monitor.report_loss(losses.sum() * self.share_scale if self._loss_is_share else losses)
-        if self.ranks > 1 and monitor.config.watch.param_grads and monitor.active:
-            with monitor.guard("gradients"):
-                grads = [(n, p.grad) for n, p in self.reads.params if p.grad is not None]
-                monitor.add_tensors([MetricKey("grad", n) for n, _ in grads], [g for _, g in grads])
-        self.reads.before_step()
-        deciding = monitor.active and monitor.decide_early
-        stop = False
-        try:
-            skip = monitor.before_optimizer_step().skip
-        except TrainingStopped:
-            skip = stop = True
-        if deciding and self.ranks > 1:
-            skip, stop = agree(skip, stop)
-        if skip and self.optimizer is not None:
-            from msprobe_engine.frameworks.torch.optimizer_hooks import set_aside_grads
-            self._held = set_aside_grads(p for group in self.optimizer.param_groups for p in group["params"])
+        self.reads.before_step()  # with DDP: the gradients too (averaged now, and clipped)
+        stop, self._held = decide(monitor, self.ranks, self.optimizer)
         return stop
 
     def after_optimizer_step(self) -> None:

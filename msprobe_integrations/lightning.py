@@ -36,9 +36,8 @@ from lightning.pytorch import Callback
 
 from msprobe_engine.config import ConfigSource
 from msprobe_engine.contract import Integration
-from msprobe_engine.incident.actions import TrainingStopped
 from msprobe_engine.monitor import Monitor
-from msprobe_integrations.trainer_hooks import Handles, agree
+from msprobe_integrations.trainer_hooks import Handles, decide
 
 __all__ = ["MonitorCallback"]
 
@@ -139,8 +138,6 @@ class LightningHooks(Integration):
 
     def before_optimizer_step(self, optimizer: Any) -> bool:
         """The accumulated, unclipped gradients; the decision. True: a `stop` rule fired."""
-        from msprobe_engine.frameworks.torch.optimizer_hooks import set_aside_grads
-
         monitor = self.monitor
         losses, self._losses = self._losses, []
         if monitor.active and losses:
@@ -149,16 +146,7 @@ class LightningHooks(Integration):
         if not self.reads_model:
             return False
         self.reads.before_step()
-        deciding = monitor.active and monitor.decide_early
-        stop = False
-        try:
-            skip = monitor.before_optimizer_step().skip
-        except TrainingStopped:
-            skip = stop = True
-        if deciding and self.ranks > 1:
-            skip, stop = agree(skip, stop)
-        if skip:
-            self._held = set_aside_grads(p for group in optimizer.param_groups for p in group["params"])
+        stop, self._held = decide(monitor, self.ranks, optimizer)
         return stop
 
     def _after_step(self, optimizer, args, kwargs) -> None:

@@ -40,9 +40,12 @@ def bridge_run(rank: int, world: int, out: str) -> dict:
         if step == STEPS - 1:
             H.inject_nan(model, LAYER_K)
         grads = {}
+
+        def reduced_grads() -> None:  # Megatron's reduced gradients, final before its step
+            grads.update({n: p.main_grad.double().norm().item() for n, p in model.module.named_parameters()})
+
         loss, _, _ = H.train_step(model, optimizer, H.micro_batches(H.TinySpec(), 2, seed=step),
-                                  after_backward=lambda: grads.update(
-                                      {n: p.main_grad.double().norm().item() for n, p in model.module.named_parameters()}))
+                                  after_backward=reduced_grads)
         norms.append(grads)
         callback.on_train_step_end(_context(model, optimizer, step + 1, loss))
     callback.on_train_end(_context(model, optimizer, STEPS))

@@ -177,3 +177,11 @@ def ddp_rank(rank: int, world: int, out: str, trainer: str) -> dict:
             "alerts": [(a.step, a.phase) for r in callback.monitor.history for a in r.alerts],
             "finite": all(bool(torch.isfinite(p).all()) for p in params),
             "checksum": [float(p.detach().double().sum()) for p in params]}
+
+
+def check_ddp_agreement(results: list[dict]) -> None:
+    """What `ddp_rank` returned: rank 0 alone alerted, yet both ranks skipped its step."""
+    assert [r["world"] for r in results] == [2, 2]
+    assert results[0]["alerts"] == [(1, "start"), (2, "end")] and results[1]["alerts"] == []
+    assert all(r["finite"] and r["steps"] == [0, 1, 2] for r in results)  # rank 1 skipped the step too
+    assert results[0]["checksum"] == results[1]["checksum"]
