@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tests.multiproc import run_ranks
-from tests.trainer_helpers import GAS, LAYER, action_config, check_ddp_agreement, ddp_rank, gpt2, hf_run, incidents
+from tests.trainer_helpers import (GAS, LAYER, action_config, check_ddp_agreement, ddp_rank, gpt2, hf_lifecycle_run,
+                                   hf_run, incidents)
 
 pytestmark = pytest.mark.slow  # each test trains with the real Trainer (a few seconds, most of it imports)
 
@@ -58,14 +59,19 @@ def test_a_nan_in_a_layer_is_named_in_the_incident_and_its_step_skipped(tmp_path
     assert (incident["culprit"]["phase"], incident["culprit"]["call"]) == ("forward", LAYER)
 
 
-def test_stop_ends_the_training_through_the_trainer(tmp_path):
-    model = gpt2()
-    callback, trainer = hf_run(tmp_path, action_config(tmp_path, "stop"), faults={1}, model=model, max_steps=5)
-    assert trainer.state.global_step == 2  # the Trainer ended after the stopping step, as asked
-    assert [r.step for r in callback.monitor.history] == [0, 1]
-    assert all(torch.isfinite(p).all() for p in model.parameters())  # the stopping step was not applied
-    (incident,) = incidents(tmp_path).values()
-    assert (incident["step"], incident["action"], incident["culprit"]["call"]) == (1, "stop", LAYER)
+def test_skip_then_stop_through_the_trainer(tmp_path):
+    """The lifecycle run: step 1 skipped (a nan), step 2 stopped (a loss spike); the Trainer
+    ends after the stopping step, as after its last, and the stopping step is not applied."""
+    callback, trainer = hf_lifecycle_run(tmp_path)
+    assert trainer.state.global_step == 3 and trainer.args.max_steps == 6
+    records = list(callback.monitor.history)
+    assert [(r.step, r.micro_steps) for r in records] == [(0, GAS), (1, GAS), (2, GAS)]
+    assert [(a.rule, a.phase, a.step) for r in records for a in r.alerts] == [
+        ("non_finite", "start", 1), ("non_finite", "end", 2), ("spike", "start", 2)]
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    found = incidents(tmp_path)
+    assert [(i["step"], i["rule"], i["action"]) for i in found.values()] == [(1, "non_finite", "skip"),
+                                                                            (2, "spike", "stop")]
 
 
 def test_resume_from_a_checkpoint_keeps_the_open_alert_episode(tmp_path):

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from tests.trainer_helpers import GAS, LIT_LAYER, action_config, incidents, lightning_run, lit_module
+from tests.trainer_helpers import (GAS, LIT_LAYER, action_config, incidents, lightning_lifecycle_run, lightning_run,
+                                   lit_module)
 
 pytestmark = pytest.mark.slow  # each test runs the real Lightning Trainer (a few seconds)
 
@@ -52,13 +53,18 @@ def test_a_nan_in_a_layer_is_named_in_the_incident_and_its_step_skipped(tmp_path
     assert (incident["culprit"]["phase"], incident["culprit"]["call"]) == ("forward", LIT_LAYER)
 
 
-def test_stop_ends_the_fit_through_should_stop(tmp_path):
-    callback, trainer = lightning_run(tmp_path, action_config(tmp_path, "stop"), faults={1}, max_steps=6)
-    assert trainer.should_stop and trainer.global_step == 2
-    assert [r.step for r in callback.monitor.history] == [0, 1]
+def test_skip_then_stop_through_should_stop(tmp_path):
+    """The lifecycle run: step 1 skipped (a nan), step 2 stopped (a loss spike)."""
+    callback, trainer = lightning_lifecycle_run(tmp_path)
+    assert trainer.should_stop and trainer.global_step == 3
+    records = list(callback.monitor.history)
+    assert [(r.step, r.micro_steps) for r in records] == [(0, GAS), (1, GAS), (2, GAS)]
+    assert [(a.rule, a.phase, a.step) for r in records for a in r.alerts] == [
+        ("non_finite", "start", 1), ("non_finite", "end", 2), ("spike", "start", 2)]
     assert all(torch.isfinite(p).all() for p in trainer.lightning_module.parameters())
-    (incident,) = incidents(tmp_path).values()
-    assert (incident["step"], incident["action"], incident["culprit"]["call"]) == (1, "stop", LIT_LAYER)
+    found = incidents(tmp_path)
+    assert [(i["step"], i["rule"], i["action"]) for i in found.values()] == [(1, "non_finite", "skip"),
+                                                                            (2, "spike", "stop")]
 
 
 def test_resume_from_a_checkpoint_keeps_the_open_alert_episode(tmp_path):

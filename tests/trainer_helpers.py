@@ -1,10 +1,11 @@
 """Shared set-up of the trainer-callback tests (HF Trainer, Lightning): tiny models, data,
 a nan injected into a named layer at a chosen optimizer step, and one-call drivers.
 
-The drivers (`hf_run`, `lightning_run`) train with gradient accumulation 2 and return the
-callback (its `.monitor` holds the run's history and incidents); `faults` maps an
-optimizer step to nothing but a nan in `LAYER`'s output. With the config of
-`action_config(tmp, "skip")` the nan step is skipped; with "stop" the run ends there.
+The drivers (`hf_run`, `lightning_run`) train with gradient accumulation 2 and return
+(callback, trainer); `callback.monitor` holds the run's history and incidents. `faults`:
+the optimizer steps whose `LAYER` output is nan; `spikes`: those whose logits are 100 times
+too large (a loss spike). `hf_lifecycle_run` / `lightning_lifecycle_run`: step 0 as usual,
+step 1 skipped, step 2 stopped.
 """
 from __future__ import annotations
 
@@ -42,11 +43,12 @@ def token_rows(count: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
 
 
 class FaultAt:
-    """A forward hook on `module` that makes its output nan on the given optimizer steps
-    (counting training forwards of `root`, `GAS` per step)."""
+    """A forward hook on `module` that corrupts its output on the given optimizer steps
+    (counting training forwards of `root`, `GAS` per step): nan, or times `scale`."""
 
-    def __init__(self, root: torch.nn.Module, module: torch.nn.Module, steps: set[int], gas: int = GAS) -> None:
-        self.forwards, self.steps, self.gas = 0, steps, gas
+    def __init__(self, root: torch.nn.Module, module: torch.nn.Module, steps: set[int], gas: int = GAS,
+                 scale: float = float("nan")) -> None:
+        self.forwards, self.steps, self.gas, self.scale = 0, steps, gas, scale
         self.handles = [root.register_forward_pre_hook(self._count),
                         module.register_forward_hook(self._corrupt)]
 
@@ -56,8 +58,19 @@ class FaultAt:
 
     def _corrupt(self, module, args, output):
         if module.training and (self.forwards - 1) // self.gas in self.steps:
-            return output * float("nan")
+            return output * self.scale
         return None
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def faults_in(root: torch.nn.Module, nans: set[int], spikes: set[int]) -> list[FaultAt]:
+    """nan in `LAYER`'s output on the steps of `nans`; the final norm's output (the logits'
+    scale: a loss spike) times 100 on the steps of `spikes`."""
+    return [FaultAt(root, root.get_submodule(LAYER), set(nans)),
+            FaultAt(root, root.get_submodule("transformer.ln_f"), set(spikes), scale=100.0)]
 
 
 def action_config(out: Path, action: str = "continue", **overrides) -> dict:
@@ -84,29 +97,36 @@ def hf_args(out: Path, **overrides):
 
 
 def hf_run(out: Path, config: Any, *, faults: set[int] = frozenset(), model=None, rows: int = 24,
-           resume: str | None = None, optimizers=(None, None), **args):
+           resume: str | None = None, optimizers=(None, None), spikes: set[int] = frozenset(), **args):
     """Train GPT-2 with the HF Trainer and `MonitorCallback(config)`; returns (callback, trainer)."""
     from transformers import Trainer
 
     from msprobe_integrations.hf import MonitorCallback
 
     model = model if model is not None else gpt2()
-    fault = FaultAt(model, model.get_submodule(LAYER), set(faults))
+    injected = faults_in(model, faults, spikes)
     callback = MonitorCallback(config=config)
     trainer = Trainer(model=model, args=hf_args(out, **args), train_dataset=token_rows(rows), callbacks=[callback],
                       optimizers=optimizers)
     trainer.train(resume_from_checkpoint=resume)
-    for handle in fault.handles:
-        handle.remove()
+    for fault in injected:
+        fault.remove()
     # the Trainer re-creates stateful callbacks on a resume with restore_callback_states_from_checkpoint
     (callback,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, MonitorCallback)]
     return callback, trainer
 
 
-def hf_lifecycle_run(out: Path, action: str = "skip"):
-    """For the lifecycle-order test: 3 optimizer steps of 2 micro-batches; a nan at step 1
-    makes `action` (skip: step 1 is skipped, the run goes on; stop: the run ends at step 1)."""
-    return hf_run(out, action_config(out, action), faults={1})
+def lifecycle_config(out: Path) -> dict:
+    """Step 0 as usual; a nan in the activations at step 1 skips it; a loss spike at step 2 stops."""
+    return action_config(out, alerts=[{"rule": "non_finite", "targets": ["actv"], "action": "skip"},
+                                      {"rule": "spike", "metrics": ["train/loss"], "warmup": 1, "action": "stop"}])
+
+
+def hf_lifecycle_run(out: Path):
+    """For the lifecycle-order test: optimizer steps of GAS=2 micro-batches; step 1 skipped
+    (a nan), step 2 stopped (a loss spike): the Trainer ends after 3 steps of max_steps=6.
+    Returns (callback, trainer)."""
+    return hf_run(out, lifecycle_config(out), faults={1}, spikes={2}, max_steps=6)
 
 
 # ---- Lightning -----------------------------------------------------------------------------
@@ -133,7 +153,8 @@ def lit_module(seed: int = 0, lr: float = 1e-3):
 
 
 def lightning_run(out: Path, config: Any, *, faults: set[int] = frozenset(), module=None, rows: int = 24,
-                  ckpt_path: str | None = None, callbacks: list = (), **trainer_args):
+                  ckpt_path: str | None = None, callbacks: list = (), spikes: set[int] = frozenset(),
+                  **trainer_args):
     """`trainer.fit` with `MonitorCallback(config)`, accumulation GAS; returns (callback, trainer)."""
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
@@ -141,21 +162,21 @@ def lightning_run(out: Path, config: Any, *, faults: set[int] = frozenset(), mod
     from msprobe_integrations.lightning import MonitorCallback
 
     module = module if module is not None else lit_module()
-    fault = FaultAt(module.gpt, module.get_submodule(LIT_LAYER), set(faults))
+    injected = faults_in(module.gpt, faults, spikes)
     callback = MonitorCallback(config=config)
     options = dict(accelerator="cpu", devices=1, max_steps=3, accumulate_grad_batches=GAS, logger=False,
                    enable_checkpointing=bool(callbacks), enable_progress_bar=False, enable_model_summary=False,
                    default_root_dir=str(out / "lightning"), num_sanity_val_steps=0)
     trainer = pl.Trainer(callbacks=[callback, *callbacks], **{**options, **trainer_args})
     trainer.fit(module, DataLoader(token_rows(rows), batch_size=MICRO_BATCH), ckpt_path=ckpt_path)
-    for handle in fault.handles:
-        handle.remove()
+    for fault in injected:
+        fault.remove()
     return callback, trainer
 
 
-def lightning_lifecycle_run(out: Path, action: str = "skip"):
+def lightning_lifecycle_run(out: Path):
     """For the lifecycle-order test: as `hf_lifecycle_run`, under Lightning."""
-    return lightning_run(out, action_config(out, action), faults={1})
+    return lightning_run(out, lifecycle_config(out), faults={1}, spikes={2}, max_steps=6)
 
 
 # ---- DDP on CPU (gloo), run in each rank by tests.multiproc.run_ranks ------------------------------
