@@ -46,7 +46,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from msprobe_engine.config import ConfigSource, load_config
+from msprobe_engine.config import ConfigSource
 from msprobe_engine.contract import Integration
 from msprobe_engine.incident.actions import TrainingStopped
 from msprobe_engine.monitor import Monitor
