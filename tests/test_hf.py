@@ -169,3 +169,8 @@ def test_deepspeed_zero2_and_zero3_on_two_ranks_merge_and_name_the_layer(tmp_pat
     numbers = [{stage: {k: v for k, v in r.items() if k != "incidents"} for stage, r in by_stage.items()}
                for by_stage in results]
     np.testing.assert_equal(numbers[0], numbers[1])  # the ranks' records are the same merged ones (nan == nan)
+
+
+def test_ddp_ranks_agree_on_a_skip_only_one_rank_saw(tmp_path):
+    results = run_ranks(ddp_rank, 2, str(tmp_path), "hf", timeout=300)
+    check_ddp_agreement(results)
