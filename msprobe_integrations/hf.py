@@ -105,7 +105,7 @@ class MonitorCallback(TrainerCallback, ExportableState):
             self.monitor.after_optimizer_step()
 
     def on_step_end(self, args, state, control, **kwargs):
-        if isinstance(self.monitor, TrainerHooks):
+        if isinstance(self.monitor, TrainerHooks) and not self.monitor.stopped:
             self.monitor.step_end()
         if self._stopped:
             control.should_training_stop = True
@@ -114,7 +114,7 @@ class MonitorCallback(TrainerCallback, ExportableState):
         if self.monitor is not None:
             self.monitor.close()
 
-    def stopped(self) -> None:
+    def stop_after_this_step(self) -> None:
         """A `stop` rule fired under DeepSpeed: the Trainer ends after this step."""
         self._stopped = True
 
@@ -135,6 +135,8 @@ class TrainerHooks(Integration):
         self.model = model
         self.ranks = ranks
         self.share_scale = share_scale
+        #: a `stop` rule fired: the Trainer ends after this step
+        self.stopped = False
         self.optimizer = _torch_optimizer(optimizer, monitor.warn)
         self._losses: list[torch.Tensor] = []
         self._held: list = []
@@ -186,13 +188,19 @@ class TrainerHooks(Integration):
                 monitor.report_loss(losses.sum() * self.share_scale if self._loss_is_share else losses)
         self.reads.before_step()  # with DDP: the gradients too (averaged now, and clipped)
         stop, self._held = decide(monitor, self.ranks, self.optimizer)
+        self.stopped = self.stopped or stop
         return stop
 
     def after_optimizer_step(self) -> None:
+        """After the Trainer's optimizer step: the gradients back, what the step changed. After
+        a `stop`, nothing more is measured or closed (as when `TrainingStopped` propagates):
+        `close` at the end of training writes the stopping step."""
         from msprobe_engine.frameworks.torch.optimizer_hooks import restore_grads
 
         restore_grads(self._held)
         self._held = []
+        if self.stopped:
+            return
         if self.reads is not None and self.optimizer is not None:
             self.reads.after_step(self.optimizer)
         self.monitor.after_optimizer_step()
@@ -237,7 +245,7 @@ def _deepspeed_monitor(engine: Any, config: ConfigSource, callback: MonitorCallb
         try:
             return monitored_step(*args, **kwargs)
         except TrainingStopped:
-            callback.stopped()
+            callback.stop_after_this_step()
             return None
 
     engine.step = step

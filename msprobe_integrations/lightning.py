@@ -114,6 +114,8 @@ class LightningHooks(Integration):
         self._losses: list[torch.Tensor] = []
         self._held: list = []
         self._stepped = False
+        #: a `stop` rule fired: Lightning ends after this batch
+        self.stopped = False
         self._global_step = trainer.global_step
         handles = []
         if self.reads_model:
@@ -147,13 +149,18 @@ class LightningHooks(Integration):
             return False
         self.reads.before_step()
         stop, self._held = decide(monitor, self.ranks, optimizer)
+        self.stopped = self.stopped or stop
         return stop
 
     def _after_step(self, optimizer, args, kwargs) -> None:
+        """The torch optimizer's post-step hook. After a `stop`, nothing more is measured or
+        closed (as when `TrainingStopped` propagates): `close` writes the stopping step."""
         from msprobe_engine.frameworks.torch.optimizer_hooks import restore_grads
 
         restore_grads(self._held)
         self._held = []
+        if self.stopped:
+            return
         self.reads.after_step(optimizer)
         self.monitor.after_optimizer_step()
         self._stepped = True

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tests.multiproc import run_ranks
-from tests.trainer_helpers import (GAS, LAYER, action_config, check_ddp_agreement, ddp_rank, gpt2, hf_lifecycle_run,
-                                   hf_run, incidents)
+from tests.trainer_helpers import (GAS, LAYER, action_config, check_ddp_agreement, ddp_rank, gpt2, hf_run,
+                                   hf_skip_then_stop_run, incidents)
 
 pytestmark = pytest.mark.slow  # each test trains with the real Trainer (a few seconds, most of it imports)
 
@@ -63,7 +63,7 @@ def test_a_nan_in_a_layer_is_named_in_the_incident_and_its_step_skipped(tmp_path
 def test_skip_then_stop_through_the_trainer(tmp_path):
     """The lifecycle run: step 1 skipped (a nan), step 2 stopped (a loss spike); the Trainer
     ends after the stopping step, as after its last, and the stopping step is not applied."""
-    callback, trainer = hf_lifecycle_run(tmp_path)
+    callback, trainer = hf_skip_then_stop_run(tmp_path)
     assert trainer.state.global_step == 3 and trainer.args.max_steps == 6
     records = list(callback.monitor.history)
     assert [(r.step, r.micro_steps) for r in records] == [(0, GAS), (1, GAS), (2, GAS)]

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from tests.trainer_helpers import (GAS, LIT_LAYER, action_config, incidents, lightning_lifecycle_run, lightning_run,
-                                   lit_module)
+from tests.trainer_helpers import (GAS, LIT_LAYER, action_config, incidents, lightning_run,
+                                   lightning_skip_then_stop_run, lit_module)
 
 pytestmark = pytest.mark.slow  # each test runs the real Lightning Trainer (a few seconds)
 
@@ -55,7 +55,7 @@ def test_a_nan_in_a_layer_is_named_in_the_incident_and_its_step_skipped(tmp_path
 
 def test_skip_then_stop_through_should_stop(tmp_path):
     """The lifecycle run: step 1 skipped (a nan), step 2 stopped (a loss spike)."""
-    callback, trainer = lightning_lifecycle_run(tmp_path)
+    callback, trainer = lightning_skip_then_stop_run(tmp_path)
     assert trainer.should_stop and trainer.global_step == 3
     records = list(callback.monitor.history)
     assert [(r.step, r.micro_steps) for r in records] == [(0, GAS), (1, GAS), (2, GAS)]

@@ -4,8 +4,9 @@ a nan injected into a named layer at a chosen optimizer step, and one-call drive
 The drivers (`hf_run`, `lightning_run`) train with gradient accumulation 2 and return
 (callback, trainer); `callback.monitor` holds the run's history and incidents. `faults`:
 the optimizer steps whose `LAYER` output is nan; `spikes`: those whose logits are 100 times
-too large (a loss spike). `hf_lifecycle_run` / `lightning_lifecycle_run`: step 0 as usual,
-step 1 skipped, step 2 stopped.
+too large (a loss spike). `hf_skip_then_stop_run` / `lightning_skip_then_stop_run`: step 0
+as usual, step 1 skipped, step 2 stopped. `hf_lifecycle` / `lightning_lifecycle`: runners
+for tests/test_lifecycle_order.py.
 """
 from __future__ import annotations
 
@@ -97,17 +98,19 @@ def hf_args(out: Path, **overrides):
 
 
 def hf_run(out: Path, config: Any, *, faults: set[int] = frozenset(), model=None, rows: int = 24,
-           resume: str | None = None, optimizers=(None, None), spikes: set[int] = frozenset(), **args):
-    """Train GPT-2 with the HF Trainer and `MonitorCallback(config)`; returns (callback, trainer)."""
+           resume: str | None = None, optimizers=(None, None), spikes: set[int] = frozenset(),
+           callback_type: type | None = None, callbacks: list = (), **args):
+    """Train GPT-2 with the HF Trainer and `MonitorCallback(config)` (or `callback_type(config)`),
+    then `callbacks`; returns (callback, trainer)."""
     from transformers import Trainer
 
     from msprobe_integrations.hf import MonitorCallback
 
     model = model if model is not None else gpt2()
     injected = faults_in(model, faults, spikes)
-    callback = MonitorCallback(config=config)
-    trainer = Trainer(model=model, args=hf_args(out, **args), train_dataset=token_rows(rows), callbacks=[callback],
-                      optimizers=optimizers)
+    callback = (callback_type or MonitorCallback)(config=config)
+    trainer = Trainer(model=model, args=hf_args(out, **args), train_dataset=token_rows(rows),
+                      callbacks=[callback, *callbacks], optimizers=optimizers)
     trainer.train(resume_from_checkpoint=resume)
     for fault in injected:
         fault.remove()
@@ -122,10 +125,9 @@ def lifecycle_config(out: Path) -> dict:
                                       {"rule": "spike", "metrics": ["train/loss"], "warmup": 1, "action": "stop"}])
 
 
-def hf_lifecycle_run(out: Path):
-    """For the lifecycle-order test: optimizer steps of GAS=2 micro-batches; step 1 skipped
-    (a nan), step 2 stopped (a loss spike): the Trainer ends after 3 steps of max_steps=6.
-    Returns (callback, trainer)."""
+def hf_skip_then_stop_run(out: Path):
+    """Optimizer steps of GAS=2 micro-batches; step 1 skipped (a nan), step 2 stopped (a loss
+    spike): the Trainer ends after 3 steps of max_steps=6. Returns (callback, trainer)."""
     return hf_run(out, lifecycle_config(out), faults={1}, spikes={2}, max_steps=6)
 
 
@@ -154,8 +156,9 @@ def lit_module(seed: int = 0, lr: float = 1e-3):
 
 def lightning_run(out: Path, config: Any, *, faults: set[int] = frozenset(), module=None, rows: int = 24,
                   ckpt_path: str | None = None, callbacks: list = (), spikes: set[int] = frozenset(),
-                  **trainer_args):
-    """`trainer.fit` with `MonitorCallback(config)`, accumulation GAS; returns (callback, trainer)."""
+                  callback_type: type | None = None, **trainer_args):
+    """`trainer.fit` with `MonitorCallback(config)` (or `callback_type(config)`), then
+    `callbacks`, accumulation GAS; returns (callback, trainer)."""
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 
@@ -163,9 +166,10 @@ def lightning_run(out: Path, config: Any, *, faults: set[int] = frozenset(), mod
 
     module = module if module is not None else lit_module()
     injected = faults_in(module.gpt, faults, spikes)
-    callback = MonitorCallback(config=config)
+    callback = (callback_type or MonitorCallback)(config=config)
+    saves = any(type(c).__name__ == "ModelCheckpoint" for c in callbacks)
     options = dict(accelerator="cpu", devices=1, max_steps=3, accumulate_grad_batches=GAS, logger=False,
-                   enable_checkpointing=bool(callbacks), enable_progress_bar=False, enable_model_summary=False,
+                   enable_checkpointing=saves, enable_progress_bar=False, enable_model_summary=False,
                    default_root_dir=str(out / "lightning"), num_sanity_val_steps=0)
     trainer = pl.Trainer(callbacks=[callback, *callbacks], **{**options, **trainer_args})
     trainer.fit(module, DataLoader(token_rows(rows), batch_size=MICRO_BATCH), ckpt_path=ckpt_path)
@@ -174,8 +178,8 @@ def lightning_run(out: Path, config: Any, *, faults: set[int] = frozenset(), mod
     return callback, trainer
 
 
-def lightning_lifecycle_run(out: Path):
-    """For the lifecycle-order test: as `hf_lifecycle_run`, under Lightning."""
+def lightning_skip_then_stop_run(out: Path):
+    """As `hf_skip_then_stop_run`, under Lightning."""
     return lightning_run(out, lifecycle_config(out), faults={1}, spikes={2}, max_steps=6)
 
 
@@ -206,3 +210,76 @@ def check_ddp_agreement(results: list[dict]) -> None:
     assert results[0]["alerts"] == [(1, "start"), (2, "end")] and results[1]["alerts"] == []
     assert all(r["finite"] and r["steps"] == [0, 1, 2] for r in results)  # rank 1 skipped the step too
     assert results[0]["checksum"] == results[1]["checksum"]
+
+
+# ---- runners for tests/test_lifecycle_order.py (the scenario of tests/lifecycle_helpers.py) -----
+def hf_lifecycle(out: Path, action: str) -> tuple[str, bool | None]:
+    """The HF Trainer callback in the lifecycle scenario: 3 steps of 2 micro-batches, a nan at
+    step 1 under `action`; returns (the calls as letters, whether step 1 left the weights unchanged)."""
+    from transformers import TrainerCallback
+
+    from msprobe_integrations.hf import MonitorCallback
+    from tests.lifecycle_helpers import BAD_STEP, MICRO, STEPS, config, letters, record
+
+    class Recorded(MonitorCallback):
+        def on_train_begin(self, *args, **kwargs):
+            super().on_train_begin(*args, **kwargs)
+            self._calls = record(self.monitor.monitor)
+
+    weights = _WeightsAt(BAD_STEP)
+
+    class Watch(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            weights.before(state.global_step, model)
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            weights.after(state.global_step - 1, model)
+
+    callback, _ = hf_run(out, config(out, action), faults={BAD_STEP}, callback_type=Recorded, callbacks=[Watch()],
+                         max_steps=STEPS, gradient_accumulation_steps=MICRO, rows=STEPS * MICRO * MICRO_BATCH)
+    return letters(callback._calls), weights.unchanged
+
+
+def lightning_lifecycle(out: Path, action: str) -> tuple[str, bool | None]:
+    """The Lightning callback in the lifecycle scenario (as `hf_lifecycle`)."""
+    import lightning.pytorch as pl
+
+    from msprobe_integrations.lightning import MonitorCallback
+    from tests.lifecycle_helpers import BAD_STEP, MICRO, STEPS, config, letters, record
+
+    class Recorded(MonitorCallback):
+        def on_train_start(self, trainer, pl_module):
+            super().on_train_start(trainer, pl_module)
+            self._calls = record(self.monitor.monitor)
+
+    weights = _WeightsAt(BAD_STEP)
+
+    class Watch(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx % MICRO == 0:
+                weights.before(trainer.global_step, pl_module)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx % MICRO == MICRO - 1:
+                weights.after(trainer.global_step - 1, pl_module)
+
+    callback, _ = lightning_run(out, config(out, action), faults={BAD_STEP}, callback_type=Recorded,
+                                callbacks=[Watch()], max_steps=STEPS, accumulate_grad_batches=MICRO,
+                                rows=STEPS * MICRO * MICRO_BATCH)
+    return letters(callback._calls), weights.unchanged
+
+
+class _WeightsAt:
+    """Whether optimizer step `step` changed the model's weights (None: it did not run)."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.unchanged = step, None
+        self._before: list[torch.Tensor] | None = None
+
+    def before(self, step: int, model: torch.nn.Module) -> None:
+        if step == self.step:
+            self._before = [p.detach().clone() for p in model.parameters()]
+
+    def after(self, step: int, model: torch.nn.Module) -> None:
+        if step == self.step and self._before is not None:
+            self.unchanged = all(torch.equal(b, p) for b, p in zip(self._before, model.parameters()))
