@@ -2,6 +2,8 @@
 
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
     monitor = DeepSpeedMonitor(engine, config="configs/deepspeed/monitor.yaml")
+    # or DeepSpeedMonitor(engine): the "msprobe" block of ds_config (our config's keys), the
+    # way DeepSpeed's own "tensorboard": {...} block turns its monitor on
     for batch in data:
         loss = engine(batch)
         engine.backward(loss)     # the loss is reported from here
@@ -44,7 +46,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from msprobe_engine.config import ConfigSource, load_config
+from msprobe_engine.config import ConfigError, ConfigSource, MonitorConfig, load_config
+from msprobe_engine.config.loader import from_dict
 from msprobe_engine.contract import Integration
 from msprobe_engine.monitor import Monitor
 
@@ -70,7 +73,7 @@ class DeepSpeedMonitor(Integration):
         from msprobe_integrations.deepspeed.merge import RankMerge
         from msprobe_integrations.deepspeed.shards import shard_reader
 
-        config = load_config(config)
+        config = load_config(config if config is not None else ds_config_block(engine))
         distributed = dist.is_initialized()
         group = getattr(engine, "seq_data_parallel_group", None) or engine.data_parallel_group
         reducer = RankMerge(group, per_rank=config.per_rank)
@@ -102,6 +105,17 @@ class DeepSpeedMonitor(Integration):
             monitor.writer.submit(lambda: engine.monitor.write_events(events), "DeepSpeed monitor write")
 
         monitor.step_end_listeners.append(send)
+
+
+def ds_config_block(engine: Any) -> MonitorConfig | None:
+    """The `"msprobe"` block of the engine's DeepSpeed config, validated (None: there is none)."""
+    block = engine._config._param_dict.get("msprobe")
+    if block is None:
+        return None
+    if not isinstance(block, dict):
+        raise ConfigError(f"DeepSpeed config: \"msprobe\" must be a mapping of our config's keys, "
+                          f"got {type(block).__name__}")
+    return from_dict(block, origin='DeepSpeed config "msprobe"')
 
 
 def _check_engine(engine: Any) -> None:

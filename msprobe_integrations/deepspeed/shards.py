@@ -99,7 +99,18 @@ class FragmentReader(ShardReader):
         return [self.empty if p._hp_mapping is None else p._hp_mapping.get_hp_fragment() for p in self.params]
 
     def state(self, key: str) -> list[torch.Tensor]:
-        return [self.empty if p._hp_mapping is None else p._hp_mapping.get_hp_fragment(key) for p in self.params]
+        return [self.empty if p._hp_mapping is None else self._state_fragment(p._hp_mapping, key) for p in self.params]
+
+    def _state_fragment(self, mapping, key: str) -> torch.Tensor:
+        """DeepSpeed (0.19.8) links the fragments to the optimizer state once, after stepping
+        the first param group: a later group's (e.g. the Trainer's no-weight-decay group) stay
+        unlinked. Those are cut from their flat partition's state as the link would."""
+        if mapping.optim_fragment and key in mapping.optim_fragment:
+            return mapping.optim_fragment[key]
+        flat = self._inner.param_groups[mapping.param_group_index]["params"][0]
+        value = self._inner.state.get(flat, {}).get(key)
+        address = mapping.hp_fragment_address
+        return self.empty if value is None else value.narrow(0, address.start, address.numel)
 
 
 class Stage3Reader(ShardReader):

@@ -48,8 +48,12 @@ class OptimizerHooks:
     """Reads grads before and params/state after each `optimizer.step()`."""
 
     def __init__(self, monitor: "Monitor", model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer | None) -> None:
+                 optimizer: torch.optim.Optimizer | None, *, read_grads: bool = True) -> None:
+        """`read_grads=False`: an integration measures the gradients itself (e.g. before the
+        trainer clips them); `optimizer=None`: no hooks, the integration calls `before_step`
+        and `after_step` from its own."""
         self.monitor = monitor
+        self.read_grads = read_grads
         watch = monitor.config.watch
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.states = [s for s in watch.optimizer_state if s in ("exp_avg", "exp_avg_sq")]
@@ -75,13 +79,7 @@ class OptimizerHooks:
 
     def _pre_step(self, optimizer, args, kwargs) -> None:
         monitor = self.monitor
-        if monitor.active:
-            with monitor.guard("optimizer pre-step hook"):
-                if monitor.config.watch.param_grads:
-                    grads = [(n, p.grad) for n, p in self.params if p.grad is not None]
-                    monitor.add_tensors([MetricKey("grad", n) for n, _ in grads], [g for _, g in grads])
-                if self.update and not monitor.replaying:
-                    self._before = torch._foreach_mul([p.detach() for _, p in self.params], 1.0)
+        self.before_step()
         self._skipped = monitor.before_optimizer_step().skip
         if self._skipped:
             self._held = set_aside_grads(p for group in optimizer.param_groups for p in group["params"])
@@ -95,8 +93,26 @@ class OptimizerHooks:
         if monitor.active:
             with monitor.guard("optimizer post-step hook"):
                 monitor.add_tensors([SKIPPED], [monitor.backend.scalar(1.0 if self._skipped else 0.0)])
-                self._read_after_step(optimizer)
+        self.after_step(optimizer)
         monitor.after_optimizer_step()
+
+    def before_step(self) -> None:
+        """What is read just before the optimizer step: the gradients (unless `read_grads` is
+        off) and, for `update`/`ratio`, a copy of the parameters."""
+        monitor = self.monitor
+        if monitor.active:
+            with monitor.guard("optimizer pre-step hook"):
+                if monitor.config.watch.param_grads and self.read_grads:
+                    grads = [(n, p.grad) for n, p in self.params if p.grad is not None]
+                    monitor.add_tensors([MetricKey("grad", n) for n, _ in grads], [g for _, g in grads])
+                if self.update and not monitor.replaying:
+                    self._before = torch._foreach_mul([p.detach() for _, p in self.params], 1.0)
+
+    def after_step(self, optimizer) -> None:
+        """What is read just after `optimizer`'s step: parameters and optimizer state."""
+        if self.monitor.active and not self.monitor.replaying:
+            with self.monitor.guard("optimizer post-step hook"):
+                self._read_after_step(optimizer)
 
     def _read_after_step(self, optimizer) -> None:
         keys: list[MetricKey] = []

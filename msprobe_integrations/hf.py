@@ -1,0 +1,275 @@
+"""Hugging Face Trainer: one callback, nothing else changes.
+
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      callbacks=[MonitorCallback(config="configs/minimal.yaml")])
+    trainer.train()
+
+What is read, and where (plain PyTorch; see below for `--deepspeed`):
+- activations: forward hooks on the model the Trainer trains (its module names);
+  a micro-step is one forward of that model in training mode;
+- the loss: the `loss` of the model's output, every micro-step; the record shows the step's
+  loss as the Trainer logs it (the sum of the micro-batches' shares when the Trainer passes
+  `num_items_in_batch` to the model, else their mean);
+- parameter gradients: BEFORE clipping. The Trainer clips (`max_grad_norm`, 1.0 by
+  default) before `on_pre_optimizer_step`, which would hide a gradient explosion behind a
+  norm of at most 1, so each gradient is measured in its own post-accumulate hook during
+  the backward of the last micro-batch of the step (accelerate's `sync_gradients`), where
+  it is final and not yet clipped. Under plain DDP (several processes without DeepSpeed)
+  the hooks fire before DDP has averaged the gradients: they are read at
+  `on_pre_optimizer_step` instead, averaged and clipped, and the skip/stop decision is made
+  to agree over the ranks (one all-reduce of two flags per monitored step);
+- parameters and optimizer state: after the optimizer step (`on_optimizer_step`).
+
+Actions: `stop` sets the Trainer's `control.should_training_stop` (the stopping step's
+optimizer step is skipped; the Trainer ends after it as after its last step). The Trainer
+has no way to skip one optimizer step: `skip` sets the gradients aside (`.grad = None`)
+around `optimizer.step()`, which torch.optim then leaves untouched (weights, moments, step
+count), and puts them back after it. The learning-rate scheduler still advances one step.
+
+`--deepspeed ds_config.json`: the DeepSpeed adapter (`DeepSpeedMonitor`) does the reading
+(gradients before DeepSpeed's clipping, ZeRO shards merged over the ranks); `config=None`
+takes the `"msprobe"` block of the DeepSpeed config. Its `stop` is turned into
+`control.should_training_stop` as well.
+
+The monitor's state (step, rules, alert episodes, incident counters) is saved with every
+Trainer checkpoint (`trainer_state.json`, as an `ExportableState`) and restored by
+`trainer.train(resume_from_checkpoint=...)`, so an alert episode open at the checkpoint
+stays open and a spike rule keeps its running average.
+"""
+from __future__ import annotations
+
+import json
+from functools import partial
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
+
+from msprobe_engine.config import ConfigSource
+from msprobe_engine.contract import Integration
+from msprobe_engine.incident.actions import TrainingStopped
+from msprobe_engine.monitor import Monitor
+from msprobe_engine.stats.table import MetricKey
+from msprobe_integrations.trainer_hooks import Handles, decide
+
+__all__ = ["MonitorCallback"]
+
+
+class MonitorCallback(TrainerCallback, ExportableState):
+    """A `transformers.TrainerCallback` that monitors the Trainer's training (module docstring).
+
+    `config`: our config (a path, a dict or a `MonitorConfig`; None: the defaults, or under
+    DeepSpeed the `"msprobe"` block of its config). After `on_train_begin`, `.monitor` is the
+    adapter (`history`, `incidents`, `alert_log`, ... of the run)."""
+
+    def __init__(self, config: ConfigSource = None) -> None:
+        self.config = config
+        self.monitor: Integration | None = None
+        self._stopped = False
+
+    # ---- the Trainer's checkpoints ----------------------------------------------
+    def state(self) -> dict:
+        """What `trainer_state.json` keeps of this callback: the monitor's state_dict."""
+        args = {"config": self.config} if _plain(self.config) else {}
+        if self.monitor is None:
+            return {"args": args, "attributes": {}}
+        return {"args": args, "attributes": {"msprobe_state": self.monitor.state_dict()}}
+
+    def _restore(self, state: Any) -> None:
+        saved = state.stateful_callbacks.get(type(self).__name__)
+        if isinstance(saved, list):
+            saved = saved[0] if saved else None
+        monitor_state = (saved or {}).get("attributes", {}).get("msprobe_state")
+        if monitor_state:
+            self.monitor.load_state_dict(monitor_state)
+
+    # ---- the Trainer's events ---------------------------------------------------
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        engine = _deepspeed_engine(model) if args.deepspeed or _accelerate_uses_deepspeed() else None
+        if engine is not None:
+            self.monitor = _deepspeed_monitor(engine, self.config, self)
+        else:
+            # with average_tokens_across_devices the Trainer multiplies a token share by the ranks
+            self.monitor = TrainerHooks(model, optimizer, self.config, start_step=state.global_step,
+                                        ranks=args.world_size,
+                                        share_scale=args.world_size if args.average_tokens_across_devices else 1)
+        self._restore(state)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if isinstance(self.monitor, TrainerHooks) and self.monitor.before_optimizer_step():
+            control.should_training_stop = True
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if isinstance(self.monitor, TrainerHooks):
+            self.monitor.after_optimizer_step()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if isinstance(self.monitor, TrainerHooks) and not self.monitor.stopped:
+            self.monitor.step_end()
+        if self._stopped:
+            control.should_training_stop = True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.monitor is not None:
+            self.monitor.close()
+
+    def stop_after_this_step(self) -> None:
+        """A `stop` rule fired under DeepSpeed: the Trainer ends after this step."""
+        self._stopped = True
+
+
+class TrainerHooks(Integration):
+    """The Trainer's model and optimizer (plain PyTorch, DDP) read for a `Monitor`: module
+    hooks, pre-clip gradient hooks, the loss from the model's output, the optimizer's state.
+    The callback calls `before_optimizer_step` / `after_optimizer_step` / `step_end`."""
+
+    def __init__(self, model: Any, optimizer: Any, config: ConfigSource = None, *, start_step: int = 0,
+                 ranks: int = 1, share_scale: int = 1) -> None:
+        from msprobe_engine.frameworks.torch import backend
+        from msprobe_engine.frameworks.torch.module_hooks import ModuleHooks
+        from msprobe_engine.frameworks.torch.optimizer_hooks import OptimizerHooks
+
+        super().__init__(Monitor(config, backend=backend, start_step=start_step))
+        monitor = self.monitor
+        self.model = model
+        self.ranks = ranks
+        self.share_scale = share_scale
+        #: a `stop` rule fired: the Trainer ends after this step
+        self.stopped = False
+        self.optimizer = _torch_optimizer(optimizer, monitor.warn)
+        self._losses: list[torch.Tensor] = []
+        self._held: list = []
+        if not isinstance(model, torch.nn.Module):
+            monitor.warn(f"MonitorCallback: the Trainer's model is a {type(model).__name__}, not a torch.nn.Module: "
+                         "activations, gradients and the loss are not monitored")
+            self.reads = None
+            return
+        self.reads = OptimizerHooks(monitor, model, None, read_grads=ranks > 1)
+        self._loss_is_share = False  # the model divides its loss by the step's token count
+        handles = [ModuleHooks(monitor, model),
+                   Handles([model.register_forward_hook(self._loss_hook, with_kwargs=True)])]
+        if monitor.config.watch.param_grads and ranks == 1:
+            from accelerate.state import GradientState
+            self._gradient_state = GradientState()
+            handles.append(Handles([p.register_post_accumulate_grad_hook(partial(self._grad_hook, MetricKey("grad", n)))
+                                    for n, p in model.named_parameters() if p.requires_grad]))
+        monitor.add_attachment(*handles)
+
+    # ---- hooks ------------------------------------------------------------------
+    def _loss_hook(self, module, args, kwargs, output) -> None:
+        if not (self.monitor.active and module.training and torch.is_grad_enabled()):
+            return
+        self._loss_is_share = kwargs.get("num_items_in_batch") is not None
+        loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+        if isinstance(loss, torch.Tensor):
+            self._losses.append(loss.detach().reshape(()))
+        else:
+            self.monitor.warn("MonitorCallback: the model's output has no `loss` (a compute_loss outside the "
+                              "model?): train/loss is not monitored")
+
+    def _grad_hook(self, key: MetricKey, param: torch.Tensor) -> None:
+        monitor = self.monitor
+        if monitor.active and self._gradient_state.sync_gradients and "gradient hook" not in monitor.disabled:
+            with monitor.guard("gradient hook"):
+                monitor.add_tensors([key], [param.grad])
+
+    # ---- lifecycle (called by the callback) ---------------------------------------
+    def before_optimizer_step(self) -> bool:
+        """At `on_pre_optimizer_step`: the loss, DDP's gradients, then the decision. Returns
+        True when a `stop` rule fired (the step is then skipped too)."""
+        monitor = self.monitor
+        if self.reads is None:
+            return False
+        losses, self._losses = self._losses, []
+        if monitor.active and losses:
+            with monitor.guard("loss"):  # the step's loss: the sum of shares, else the mean
+                losses = torch.stack(losses)
+                monitor.report_loss(losses.sum() * self.share_scale if self._loss_is_share else losses)
+        self.reads.before_step()  # with DDP: the gradients too (averaged now, and clipped)
+        stop, self._held = decide(monitor, self.ranks, self.optimizer)
+        self.stopped = self.stopped or stop
+        return stop
+
+    def after_optimizer_step(self) -> None:
+        """After the Trainer's optimizer step: the gradients back, what the step changed. After
+        a `stop`, nothing more is measured or closed (as when `TrainingStopped` propagates):
+        `close` at the end of training writes the stopping step."""
+        from msprobe_engine.frameworks.torch.optimizer_hooks import restore_grads
+
+        restore_grads(self._held)
+        self._held = []
+        if self.stopped:
+            return
+        if self.reads is not None and self.optimizer is not None:
+            self.reads.after_step(self.optimizer)
+        self.monitor.after_optimizer_step()
+
+
+def _torch_optimizer(optimizer: Any, warn) -> torch.optim.Optimizer | None:
+    """The torch optimizer inside the Trainer's (accelerate's AcceleratedOptimizer wraps one)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if isinstance(inner, torch.optim.Optimizer):
+        return inner
+    warn(f"MonitorCallback: the Trainer's optimizer ({type(optimizer).__name__}) is not a torch.optim.Optimizer: "
+         "optimizer state and parameters after the step are not monitored, and `skip` cannot be applied")
+    return None
+
+
+def _accelerate_uses_deepspeed() -> bool:
+    from accelerate.state import AcceleratorState, DistributedType
+
+    return AcceleratorState._shared_state != {} and AcceleratorState().distributed_type == DistributedType.DEEPSPEED
+
+
+def _deepspeed_engine(model: Any) -> Any:
+    """The DeepSpeed engine that trains `model` (the Trainer gives callbacks the bare model,
+    not the engine; the engine is found once, among the live objects)."""
+    import gc
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    engines = [o for o in gc.get_objects() if isinstance(o, DeepSpeedEngine) and o.module is model]
+    return engines[-1] if engines else None
+
+
+def _deepspeed_monitor(engine: Any, config: ConfigSource, callback: MonitorCallback) -> Integration:
+    """`DeepSpeedMonitor` on the Trainer's engine; its `stop` ends the Trainer's run instead of
+    raising out of `trainer.train()` (the stopping step's DeepSpeed step is not run)."""
+    from msprobe_integrations.deepspeed import DeepSpeedMonitor
+
+    adapter = DeepSpeedMonitor(engine, config)
+    monitored_step = engine.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return monitored_step(*args, **kwargs)
+        except TrainingStopped:
+            callback.stop_after_this_step()
+            return None
+
+    engine.step = step
+    adapter.add_attachment(_Restore(engine, "step", step))
+    return adapter
+
+
+class _Restore:
+    """Removes an instance attribute set on `owner`, if it is still ours."""
+
+    def __init__(self, owner: Any, name: str, value: Any) -> None:
+        self.owner, self.name, self.value = owner, name, value
+
+    def remove(self) -> None:
+        if self.owner.__dict__.get(self.name) is self.value:
+            del self.owner.__dict__[self.name]
+
+
+def _plain(config: ConfigSource) -> bool:
+    """Whether `config` can be written to trainer_state.json (a path or a plain dict)."""
+    if isinstance(config, str) or config is None:
+        return True
+    try:
+        json.dumps(config)
+    except TypeError:
+        return False
+    return isinstance(config, dict)

@@ -1,0 +1,89 @@
+"""The wandb and mlflow sinks, read back with the tools' own readers: an offline W&B run
+(its transaction log, W&B's record schema) and a local MLflow file store (`MlflowClient`)."""
+import math
+import sys
+
+import pytest
+import torch
+
+from msprobe_engine.config import ConfigError, load_config
+from msprobe_integrations.torch import TorchMonitor
+from tests.wandb_reader import history
+
+STEPS = 4
+NAN_STEP = 2
+
+
+def train(config: dict) -> list[float]:
+    """A small model written here; the output of `body.1` is nan at step NAN_STEP."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()),
+                                torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = {"now": 0}
+    model[1].register_forward_hook(lambda m, a, out: out * float("nan") if step["now"] == NAN_STEP else None)
+    losses = []
+    with TorchMonitor(model, opt, {"strict": True, **config}) as monitor:
+        for step["now"] in range(STEPS):
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            monitor.step_end(loss)
+            losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.slow  # wandb starts its service process (~5 s)
+def test_wandb_offline_run_holds_the_selected_metrics_and_the_alert(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    losses = train({"output_dir": str(tmp_path), "sinks": [
+        {"name": "wandb", "project": "probe-test", "run_name": "tiny", "run_tags": ["ci"],
+         "tags": ["train/*", "grad/global/*", "actv/1/*"]}]})
+    rows, run = history(tmp_path / "rank0")
+    assert (run.project, run.display_name, list(run.tags)) == ("probe-test", "tiny", ["ci"])
+    assert [row["_step"] for row in rows] == list(range(STEPS))
+    logged = {key for row in rows for key in row if not key.startswith("_")}
+    assert "train/loss" in logged and "grad/global/norm" in logged and "actv/1/output/norm" in logged
+    assert not any(key.startswith(("grad/0.", "actv/0/")) for key in logged)  # filtered out by `tags`
+    for row, loss in zip(rows, losses):
+        assert row["train/loss"] == pytest.approx(loss, rel=1e-6, nan_ok=True)
+    assert math.isnan(rows[NAN_STEP]["actv/1/output/norm"])
+    assert rows[NAN_STEP]["alert/non_finite"] == 1
+    assert "alert/non_finite" not in rows[NAN_STEP - 1]
+
+
+@pytest.mark.slow  # mlflow's import and file store (~5 s)
+def test_mlflow_file_store_holds_every_step_and_the_alert(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = f"file:{tmp_path / 'mlruns'}"
+    losses = train({"output_dir": str(tmp_path / "out"), "sinks": [
+        {"name": "mlflow", "tracking_uri": uri, "experiment": "probe", "run_name": "tiny", "run_tags": ["team=ci"]}]})
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("probe").experiment_id])
+    assert run.info.run_name == "tiny" and run.info.status == "FINISHED" and run.data.tags["team"] == "ci"
+    loss = client.get_metric_history(run.info.run_id, "train/loss")
+    assert [m.step for m in loss] == list(range(STEPS))
+    for metric, value in zip(loss, losses):
+        assert metric.value == pytest.approx(value, rel=1e-6, nan_ok=True)
+    norm = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "actv/1/output/norm")}
+    assert math.isnan(norm[NAN_STEP]) and math.isfinite(norm[NAN_STEP - 1])
+    alert = client.get_metric_history(run.info.run_id, "alert/non_finite")
+    assert [(m.step, m.value) for m in alert][0] == (NAN_STEP, 1.0)
+
+
+@pytest.mark.parametrize("package", ["wandb", "mlflow"])
+def test_a_sink_whose_package_is_missing_fails_at_load_naming_it(monkeypatch, package):
+    monkeypatch.setitem(sys.modules, package, None)  # what `import` sees when it is not installed
+    with pytest.raises(ConfigError, match=rf"sinks\[1\].*'{package}'.*pip install {package}"):
+        load_config({"sinks": ["jsonl", {"name": package}]})
+
+
+def test_sink_settings_are_checked_at_load():
+    with pytest.raises(ConfigError, match=r"sinks\[0\]\.mode"):
+        load_config({"sinks": [{"name": "wandb", "mode": "sometimes"}]})
+    with pytest.raises(ConfigError, match=r"sinks\[0\]\.projekt: unknown key .did you mean 'project'"):
+        load_config({"sinks": [{"name": "wandb", "projekt": "x"}]})

@@ -1,0 +1,56 @@
+"""Read an offline W&B run (`run-<id>.wandb`) back with W&B's own record schema.
+
+wandb 0.31 has no Python reader for its transaction log any more (the Go `wandb-core` reads
+it); the file is LevelDB log framing (32 KiB blocks, 7-byte record headers: crc, length,
+type) after a 7-byte `:W&B` header, each record a `wandb_internal_pb2.Record`.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+BLOCK = 32 * 1024
+HEADER = 7  # ":W&B", magic (2 bytes), version
+FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+
+
+def read_records(path: Path) -> list:
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", f"{path} is not a W&B transaction log"
+    records, pos, chunk = [], HEADER, b""
+    while pos + 7 <= len(data):
+        left = BLOCK - pos % BLOCK
+        if left < 7:  # block trailer
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        pos += 7
+        if kind == 0 and length == 0:  # zero padding to the end of the block
+            pos += left - 7
+            continue
+        chunk += data[pos:pos + length]
+        pos += length
+        if kind in (FULL, LAST):
+            record = pb.Record()
+            record.ParseFromString(chunk)
+            records.append(record)
+            chunk = b""
+    return records
+
+
+def history(run_dir: Path) -> tuple[list[dict], object]:
+    """(the logged rows: key -> value, with `_step`), and the run record (name, project, tags)
+    of the one offline run under `run_dir`."""
+    (path,) = Path(run_dir).glob("wandb/offline-run-*/run-*.wandb")
+    rows, run = [], None
+    for record in read_records(path):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                         for item in record.history.item})
+        elif kind == "run":
+            run = record.run
+    return rows, run
