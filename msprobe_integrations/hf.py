@@ -51,7 +51,7 @@ from msprobe_engine.contract import Integration
 from msprobe_engine.incident.actions import TrainingStopped
 from msprobe_engine.monitor import Monitor
 from msprobe_engine.stats.table import MetricKey
-from msprobe_integrations.trainer_hooks import Handles, decide
+from msprobe_integrations.trainer_hooks import Handles, decide, resumed_config
 
 __all__ = ["MonitorCallback"]
 
@@ -76,25 +76,27 @@ class MonitorCallback(TrainerCallback, ExportableState):
             return {"args": args, "attributes": {}}
         return {"args": args, "attributes": {"msprobe_state": self.monitor.state_dict()}}
 
-    def _restore(self, state: Any) -> None:
+    def _saved_state(self, state: Any) -> dict | None:
+        """The monitor state in the checkpoint the Trainer resumes from, if any."""
         saved = state.stateful_callbacks.get(type(self).__name__)
         if isinstance(saved, list):
             saved = saved[0] if saved else None
-        monitor_state = (saved or {}).get("attributes", {}).get("msprobe_state")
-        if monitor_state:
-            self.monitor.load_state_dict(monitor_state)
+        return (saved or {}).get("attributes", {}).get("msprobe_state") or None
 
     # ---- the Trainer's events ---------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         engine = _deepspeed_engine(model) if args.deepspeed or _accelerate_uses_deepspeed() else None
+        saved = self._saved_state(state)
+        config = resumed_config(self.config, saved is not None)
         if engine is not None:
-            self.monitor = _deepspeed_monitor(engine, self.config, self)
+            self.monitor = _deepspeed_monitor(engine, config, self)
         else:
             # with average_tokens_across_devices the Trainer multiplies a token share by the ranks
-            self.monitor = TrainerHooks(model, optimizer, self.config, start_step=state.global_step,
+            self.monitor = TrainerHooks(model, optimizer, config, start_step=state.global_step,
                                         ranks=args.world_size,
                                         share_scale=args.world_size if args.average_tokens_across_devices else 1)
-        self._restore(state)
+        if saved is not None:
+            self.monitor.load_state_dict(saved)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if isinstance(self.monitor, TrainerHooks) and self.monitor.before_optimizer_step():

@@ -37,7 +37,7 @@ from lightning.pytorch import Callback
 from msprobe_engine.config import ConfigSource
 from msprobe_engine.contract import Integration
 from msprobe_engine.monitor import Monitor
-from msprobe_integrations.trainer_hooks import Handles, decide
+from msprobe_integrations.trainer_hooks import Handles, decide, resumed_config
 
 __all__ = ["MonitorCallback"]
 
@@ -68,7 +68,7 @@ class MonitorCallback(Callback):
 
     # ---- Lightning's hooks --------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:
-        self.monitor = LightningHooks(trainer, pl_module, self.config)
+        self.monitor = LightningHooks(trainer, pl_module, resumed_config(self.config, bool(self._saved)))
         if self._saved:
             self.monitor.load_state_dict(self._saved)
 

@@ -3,10 +3,12 @@ attachment, and the decision before an optimizer step the trainer runs (the rank
 under DDP; `skip` applied by setting the gradients aside)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from msprobe_engine.config import ConfigSource, load_config
 from msprobe_engine.frameworks.torch.optimizer_hooks import HeldGrads, set_aside_grads
 from msprobe_engine.incident.actions import TrainingStopped
 
@@ -53,3 +55,9 @@ def decide(monitor: "Monitor", ranks: int, optimizer: Any) -> tuple[bool, HeldGr
     if not skip or optimizer is None:
         return stop, []
     return stop, set_aside_grads(p for group in optimizer.param_groups for p in group["params"])
+
+
+def resumed_config(config: ConfigSource, resumed: bool) -> ConfigSource:
+    """`config`, with `resume: true` when the trainer restores a checkpoint: the run's directory
+    then holds that run, which the monitor continues instead of refusing it."""
+    return dataclasses.replace(load_config(config), resume=True) if resumed else config
