@@ -1,4 +1,4 @@
-"""The MindSpore dump's Cell hooks (L0, PyNative): which Cells, under which names, which hooks.
+"""The MindSpore dump's Cell hooks (L0, mix; PyNative): which Cells, under which names, which hooks.
 
 Every sub-Cell of the net (not the net itself, as PyTorch's dump leaves out the root module)
 is named ``Cell.<path>.<Class>`` and gets a forward pre-hook and a forward hook, and, when
@@ -41,10 +41,11 @@ def parameter_owners(net: nn.Cell) -> dict[int, tuple[str, str]]:
 class DumpCellHooks:
     """The dump's hooks on one net; `remove()` takes them off."""
 
-    def __init__(self, recorder: "CellRecorder", net: nn.Cell, backward: bool) -> None:
+    def __init__(self, recorder: "CellRecorder", net: nn.Cell, backward: bool, cells: bool = True) -> None:
+        """`cells`: hook the sub-Cells (L0, mix); the net's own end-of-forward hook is always there."""
         self.handles: list[Any] = [net.register_forward_hook(jit_safe(self._root_end))]
         self.recorder = recorder
-        for key, cell in cell_keys(net).items():
+        for key, cell in (cell_keys(net) if cells else {}).items():
             params = own_parameters(cell)
             self.handles.append(cell.register_forward_pre_hook(jit_safe(partial(self._begin, key))))
             self.handles.append(cell.register_forward_hook(jit_safe(partial(self._end, key, params)),
