@@ -21,6 +21,12 @@ optimizer Cell's hooks see the gradients. In GRAPH_MODE (and inside
 parameters and optimizer state are read at step end, and gradients when they
 are handed over: `step_end(loss, grads)`, or, under `Model.train`, a train
 network that returns them, `Model(nn.TrainOneStepCell(net_with_loss, optimizer, return_grad=True))`.
+
+A rule's `skip` (PyNative) undoes that step's optimizer call: every Parameter of the optimizer
+Cell is restored bitwise (`cell_hooks.OptimizerState`); `stop` raises `TrainingStopped` out of
+the optimizer call, before the weights change. Under data parallelism (`msrun`,
+`mindspore.communication.init()`) statistics are merged over the group
+(`frameworks.mindspore.distributed`).
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ from mindspore.train import Callback, RunContext
 
 from msprobe_engine.frameworks.mindspore import backend as mindspore_backend
 from msprobe_engine.frameworks.mindspore.cell_hooks import CellHooks, OptimizerState, TensorBatch, compiled, is_tensor
+from msprobe_engine.frameworks.mindspore.distributed import DataParallelMerge, data_parallel_world
 from msprobe_engine.config import ConfigSource
 from msprobe_engine.monitor import Monitor
 from msprobe_engine.records import StepRecord
@@ -55,7 +62,12 @@ class MindSporeMonitor:
             raise TypeError("MindSporeMonitor: optimizer must be a mindspore.nn.Optimizer or "
                             f"mindspore.experimental.optim.Optimizer, got {type(optimizer).__name__}; pass None "
                             "to monitor without optimizer state (gradients then come from step_end(loss, grads))")
+        rank, world = data_parallel_world()
+        if world > 1:
+            kwargs.setdefault("rank", rank)
         self.monitor = Monitor(config, backend=mindspore_backend, **kwargs)
+        if world > 1:  # statistics of the whole data-parallel batch (per_rank: each rank's own data too)
+            self.monitor.reducer = DataParallelMerge(world, per_rank=self.monitor.config.per_rank)
         self.batch = TensorBatch(self.monitor)
         pynative = not compiled()
         if not pynative:

@@ -429,6 +429,7 @@ def test_bad_input_names_what_is_not_monitored(tmp_path, caplog):
 
 # ---- without torch ----------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_runs_without_torch(tmp_path):
     """Every test above, again, in a process where `import torch` fails."""
     script = textwrap.dedent("""

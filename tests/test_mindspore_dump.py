@@ -272,6 +272,7 @@ def test_the_incident_dump_of_a_mindspore_monitor_has_the_mindspore_format(tmp_p
     assert result.first_critical.entry == POISON
 
 
+@pytest.mark.slow
 def test_dump_runs_without_torch(tmp_path):
     """Every test above, again, in a process where `import torch` fails."""
     script = textwrap.dedent("""

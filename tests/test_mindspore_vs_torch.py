@@ -21,6 +21,7 @@ from msprobe_engine.frameworks.mindspore.capture.session import MindSporePrecisi
 
 ms.set_device("CPU")
 ms.set_context(mode=ms.PYNATIVE_MODE)
+pytestmark = pytest.mark.slow  # both frameworks in one process, four dumps
 
 RNG = np.random.default_rng(0)
 WEIGHTS = {"fc1.weight": RNG.standard_normal((8, 6)) * 0.4, "fc1.bias": RNG.standard_normal(8) * 0.1,
