@@ -247,6 +247,14 @@ def test_l1_and_mix_in_graph_mode_are_refused_naming_the_mode(tmp_path):
                 debugger.start(ApiNet())
     finally:
         ms.set_context(mode=ms.PYNATIVE_MODE)
+    def old_register_forward_hook(self, hook_fn):  # the signature before with_kwargs
+        raise AssertionError("not called")
+
+    with pytest.MonkeyPatch.context() as patch:  # as on an older MindSpore
+        patch.setattr(nn.Cell, "register_forward_hook", old_register_forward_hook)
+        with pytest.raises(ConfigError, match=r"needs interfaces this MindSpore lacks: mindspore.nn.Cell."
+                                              r"register_forward_hook\(..., with_kwargs=True\) \(MindSpore 2"):
+            MindSporePrecisionDebugger(dump_path=str(tmp_path), level="mix").start(ApiNet())
     with pytest.raises(ConfigError, match="Functional.nope is not an API"):
         MindSporePrecisionDebugger(dump_path=str(tmp_path), level="L1", list=["Functional.nope.0.forward"]).start(ApiNet())
 
@@ -288,5 +296,5 @@ def test_dump_runs_without_torch(tmp_path):
         sys.exit(code)
     """)
     result = subprocess.run([sys.executable, "-c", script, __file__], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=300)
+                            timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

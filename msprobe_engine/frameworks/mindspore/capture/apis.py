@@ -24,6 +24,7 @@ so nothing there is dumped, and nothing there breaks.
 """
 from __future__ import annotations
 
+import importlib.util
 import inspect
 from dataclasses import dataclass
 from functools import partial
@@ -102,6 +103,20 @@ def api_names() -> list[ApiName]:
 def api_keys() -> frozenset[str]:
     """``<Prefix>.<name>`` of every API this dump records (for checking ``list``/``scope`` names)."""
     return frozenset(name.key for name in api_names())
+
+
+def missing_interfaces() -> list[str]:
+    """The MindSpore interfaces this interception needs and the installed MindSpore lacks."""
+    import mindspore
+
+    missing = [f"mindspore.{name}" for name in ("mint", "mint.nn.functional", "mint.distributed",
+                                                "communication.comm_func")
+               if importlib.util.find_spec(f"mindspore.{name}") is None]
+    if "with_kwargs" not in inspect.signature(nn.Cell.register_forward_hook).parameters:
+        missing.append("mindspore.nn.Cell.register_forward_hook(..., with_kwargs=True)")
+    if not hasattr(nn.Cell, "register_backward_hook"):
+        missing.append("mindspore.nn.Cell.register_backward_hook")
+    return [f"{name} (MindSpore {mindspore.__version__})" for name in missing]
 
 
 class Gate:

@@ -63,7 +63,7 @@ class MindSporePrecisionDebugger(DumpSession):
         from mindspore import nn
 
         from msprobe_engine.frameworks.mindspore import backend as mindspore_backend
-        from msprobe_engine.frameworks.mindspore.capture.apis import ApiHooks, api_keys
+        from msprobe_engine.frameworks.mindspore.capture.apis import ApiHooks, api_keys, missing_interfaces
         from msprobe_engine.frameworks.mindspore.capture.cells import cell_keys
         from msprobe_engine.frameworks.mindspore.capture.recorder import CellRecorder
 
@@ -77,6 +77,10 @@ class MindSporePrecisionDebugger(DumpSession):
             raise ConfigError(f"level {self.config.level!r} needs PYNATIVE_MODE: the context's mode is GRAPH_MODE, "
                               "where no API call can be watched; call mindspore.set_context(mode="
                               "mindspore.PYNATIVE_MODE) before training, or use level L0 (parameter gradients)")
+        missing = missing_interfaces() if apis else []
+        if missing:
+            raise ConfigError(f"level {self.config.level!r} needs interfaces this MindSpore lacks: "
+                              f"{', '.join(missing)}; upgrade MindSpore (2.10 is tested) or use level L0")
         check_names(self.config, cell_keys(model), _Keys(api_keys()) if apis else None)
         self._recorder = CellRecorder(self.config, mindspore_backend, self._emit_tensors)
         if apis:
