@@ -25,36 +25,30 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mindspore as ms  # noqa: E402
 import numpy as np  # noqa: E402
 from mindspore import Tensor, nn  # noqa: E402
+from mindspore_overhead import BATCH, make_net  # noqa: E402  (the same network)
 
 from msprobe_engine.frameworks.mindspore.capture.session import MindSporePrecisionDebugger  # noqa: E402
 
 CONFIGS = {"L0": {"level": "L0"}, "L1": {"level": "L1"}, "mix": {"level": "mix"},
            "L1 idle": {"level": "L1", "step": [10 ** 9]}}
-WIDTH, BATCH = 128, 32
-
-
-def make_net() -> nn.Cell:
-    ms.set_seed(0)
-    return nn.SequentialCell(nn.Dense(64, WIDTH), nn.ReLU(), nn.Dense(WIDTH, WIDTH), nn.Tanh(),
-                             nn.Dense(WIDTH, WIDTH), nn.ReLU(), nn.Dense(WIDTH, 10))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=2)
+    for flag, default in (("--rounds", 4), ("--steps", 12), ("--warmup", 2)):
+        parser.add_argument(flag, type=int, default=default)
     args = parser.parse_args()
     ms.set_device("CPU")
     ms.set_context(mode=ms.PYNATIVE_MODE)
     out = Path(tempfile.mkdtemp(prefix="msprobe-ms-dump-bench-"))
     rng = np.random.default_rng(0)
-    batches = [(Tensor(rng.standard_normal((BATCH, 64)).astype(np.float32)),
-                Tensor(rng.standard_normal((BATCH, 10)).astype(np.float32))) for _ in range(8)]
+    shapes = ((BATCH, 64), (BATCH, 10))
+    batches = [tuple(Tensor(rng.standard_normal(shape).astype(np.float32)) for shape in shapes) for _ in range(8)]
     net = make_net()
     opt = nn.Adam(net.trainable_params(), 1e-3)
     loss_fn = nn.MSELoss()
