@@ -13,8 +13,9 @@ session, to a small function that routes the call through that Cell while record
   ``mindspore.mint.distributed.<f>`` as ``MintDistributed.<f>`` (module attributes);
 - ``Tensor.<method>`` (and the arithmetic, comparison and indexing operators) as ``Tensor.<m>``;
 - Primitive instances held by the net's Cells (``nn.Dense`` calls ``self.matmul``, a
-  ``MatMul`` primitive) as ``Primitive.<attribute>.<Class>``: the instance's class is swapped
-  for a subclass whose ``__call__`` routes the call (MindSpore still sees a Primitive).
+  ``MatMul`` primitive) as ``Primitive.<attribute>.<Class>``: while a step is dumped, the
+  instance's class is swapped for a subclass whose ``__call__`` routes the call (MindSpore
+  still sees a Primitive); between dumped steps it has its own class back.
 
 The names are the predecessor's. A call made inside a recorded call (an API calling another)
 is not recorded again. Code that imported a function object before the session started
@@ -178,7 +179,7 @@ class ApiHooks:
     def __init__(self, recorder: Any, gate: Gate, backward: bool) -> None:
         self.recorder, self.gate, self.backward = recorder, gate, backward
         self._restore: list[tuple[Any, str, Any]] = []
-        self._classes: list[tuple[Primitive, type]] = []
+        self._classes: list[tuple[Primitive, type, type]] = []  # (instance, its class, routed subclass)
         self._cells: dict[int, ApiCell] = {}
         for name in api_names():
             func = getattr(name.owner, name.attribute)
@@ -186,15 +187,20 @@ class ApiHooks:
             setattr(name.owner, name.attribute, _routed_function(gate, func, self._cell(name.key, func)))
 
     def hook_primitives(self, net: nn.Cell) -> None:
-        """Route the calls of the Primitives held by `net`'s Cells."""
+        """Prepare the routes of the Primitives held by `net`'s Cells (taken by `route_primitives`)."""
         routed: dict[type, type] = {}
         for key, prim in cell_primitives(net):
             base = type(prim)
             if base not in routed:
                 routed[base] = _routed_primitive(self.gate, base, self._cells)
             self._cells[id(prim)] = self._cell(key, partial(base.__call__, prim))
-            self._classes.append((prim, base))
-            prim.__class__ = routed[base]
+            self._classes.append((prim, base, routed[base]))
+
+    def route_primitives(self, on: bool) -> None:
+        """Swap the Primitives' classes for their routed subclasses (`on`) or back: only while a
+        step is dumped, so that between dumped steps the net's Primitives are exactly as built."""
+        for prim, base, routed in self._classes:
+            prim.__class__ = routed if on else base
 
     def _cell(self, key: str, func: Callable[..., Any]) -> ApiCell:
         cell = ApiCell(func)
@@ -215,8 +221,7 @@ class ApiHooks:
                 delattr(owner, attribute)
             else:
                 setattr(owner, attribute, original)
-        for prim, base in self._classes:
-            prim.__class__ = base
+        self.route_primitives(False)
         self._restore.clear()
         self._classes.clear()
         self._cells.clear()

@@ -106,10 +106,14 @@ class MindSporePrecisionDebugger(DumpSession):
         wanted = self.config.wants_step(self.current_step) and self.config.wants_rank(self.rank or 0)
         if self._running and wanted and self._recorder is not None:
             self._recorder.active = self._collected = True
+            if self._apis is not None:
+                self._apis.route_primitives(True)
 
     def _deactivate(self) -> None:
         if self._recorder is not None:
             self._recorder.active = False
+        if self._apis is not None:
+            self._apis.route_primitives(False)
 
     def _tensor_writers(self) -> tuple[Any, Any]:
         return (_save_npy if self.config.task == "tensor" else None,
