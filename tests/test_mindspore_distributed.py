@@ -73,6 +73,17 @@ for per_rank in (False, True):
     histories[str(per_rank)] = record.metrics
     np.savez(f"{out}/seen{rank}_{per_rank}.npz", fc1=seen["fc1"], grad=grads[0].asnumpy(), loss=loss.asnumpy(),
              exp_avg=opt.moment1[0].asnumpy())
+# rank 1 watches one Cell more: the layouts differ, and every rank says so instead of merging
+watched = {"names": ["0"] if rank == 0 else ["0", "2"]}
+monitor = MindSporeMonitor(net, opt, {"output_dir": f"{out}/mismatch", "strict": True, "modules": watched,
+                                      "watch": {"module_outputs": True, "param_grads": False, "optimizer_state": []}})
+loss, grads = grad_fn(x, y)
+opt(reducer(grads))
+try:
+    monitor.step_end(loss)
+    histories["mismatch"] = "merged"
+except RuntimeError as exc:
+    histories["mismatch"] = str(exc)
 json.dump(histories, open(f"{out}/metrics{rank}.json", "w"))
 '''
 
@@ -116,3 +127,5 @@ def test_statistics_merge_over_the_data_parallel_group_and_per_rank_keeps_each_r
         assert_stats(own, "actv/0/output", seen[rank, True]["fc1"])
         assert_stats(own, "grad/0.weight", seen[rank, True]["grad"])
     assert sorted(p.name for p in (tmp_path / "True").iterdir()) == ["rank0", "rank1"]
+    for rank in (0, 1):
+        assert "measured different tensors" in metrics[rank]["mismatch"], metrics[rank]["mismatch"]

@@ -3,12 +3,15 @@
 Under data parallelism (``msrun``, ``mindspore.communication.init()``) every rank measures the
 same keys in the same order: its own micro-batch's activations, activation gradients and loss,
 and the model state (gradients after the gradient reducer, parameters, optimizer state), which
-is the same on every rank. One ``AllGather`` of the ``[k, 8]`` rows (plus a row holding the
-checksum of the keys, so ranks that measured different things fail loudly instead of merging
-garbage) gives every rank all of them; rows of the rank-local kinds are merged exactly (min of
+is the same on every rank. A first, tiny ``AllGather`` of (checksum of the keys, their count)
+makes ranks that measured different things fail loudly (MindSpore's CPU ``AllGather`` of
+unequal shapes returns garbage, it does not fail); then one ``AllGather`` of the ``[k, 8]``
+rows gives every rank all of them; rows of the rank-local kinds are merged exactly (min of
 mins, max of maxes, sums and counts add: the statistics of the whole global batch), model-state
 rows are taken from rank 0 (adding identical copies would inflate the sums). With ``per_rank``
 each rank keeps its own rank-local rows and writes its own run directory.
+
+Both gathers run once per monitored step, at its one host transfer.
 
 MindSpore 2.10 on CPU: ``msrun`` and ``init()`` work, and so do the ``AllReduce``/``AllGather``
 primitives (PyNative and GRAPH_MODE); ``mindspore.communication.comm_func.all_reduce`` does not
@@ -57,18 +60,17 @@ class DataParallelMerge:
         if self.world == 1:
             return rows
         checksum = layout_checksum(keys)
-        marker = Tensor(np.full((1, rows.shape[1]), checksum, np.float64)).astype(rows.dtype)
-        stacked = self._gather(ops.cat([rows, marker])).reshape(self.world, len(keys) + 1, rows.shape[1])
-        if checksum not in self._masks:  # checked once per layout (one host read)
-            markers = stacked[:, -1].asnumpy()
-            if not (markers == markers[0]).all():
-                raise RuntimeError("msprobe: the ranks of the data-parallel group measured different tensors this "
-                                   "step (different Cell calls, or not every rank reported a loss); their statistics "
-                                   "cannot be merged. Every rank must run the same Cells and report alike.")
+        headers = self._gather(Tensor(np.array([[checksum, len(keys)]], np.float64))).asnumpy()
+        if not (headers == headers[0]).all():
+            raise RuntimeError("msprobe: the ranks of the data-parallel group measured different tensors this "
+                               f"step (rank: [layout checksum, count] = {headers.tolist()}: different Cell calls, "
+                               "or not every rank reported a loss); their statistics cannot be merged. Every rank "
+                               "must run the same Cells and report alike.")
+        if checksum not in self._masks:
             local = np.array([k.kind in RANK_LOCAL_KINDS for k in keys])
             self._masks[checksum] = (Tensor(local[:, None]), Tensor((local & self.per_rank)[:, None]))
         merge_mask, keep_own = self._masks[checksum]
-        stacked = stacked[:, :-1]
+        stacked = self._gather(rows).reshape(self.world, len(keys), rows.shape[1])
         merged = stacked.sum(axis=0)
         nan = merged[:, P_NAN] > 0  # MindSpore's min/max skip nan; a merged row that holds one shows it
         merged[:, P_MIN] = ops.where(nan, float("nan"), stacked[:, :, P_MIN].min(axis=0))
