@@ -50,6 +50,7 @@ class MindSporePrecisionDebugger(DumpSession):
         super().__init__(*args, **kwargs)
         self._params = list(params) if params is not None else None
         self._apis: Any = None
+        self._cell_hooks: list[Any] = []  # one DumpCellHooks per hooked net
         self._owners: dict[int, tuple[str, str]] = {}
 
     def step(self, grads: Any = None) -> None:
@@ -94,7 +95,9 @@ class MindSporePrecisionDebugger(DumpSession):
         if _graph_mode():
             log.warning(GRAPH_MODE_WARNING)
         sel = self._recorder.sel
-        self._hooks.append(DumpCellHooks(self._recorder, model, backward=sel.backward, cells=sel.modules))
+        cells = DumpCellHooks(self._recorder, model, backward=sel.backward, cells=sel.modules)
+        self._hooks.append(cells)
+        self._cell_hooks.append(cells)
         if self._apis is not None:
             self._apis.hook_primitives(model)
         self._owners.update(parameter_owners(model))
@@ -106,12 +109,17 @@ class MindSporePrecisionDebugger(DumpSession):
         wanted = self.config.wants_step(self.current_step) and self.config.wants_rank(self.rank or 0)
         if self._running and wanted and self._recorder is not None:
             self._recorder.active = self._collected = True
+            for cells in self._cell_hooks:
+                cells.install()
             if self._apis is not None:
                 self._apis.route_primitives(True)
 
     def _deactivate(self) -> None:
+        """Between dumped steps the nets carry no hook of the dump and their Primitives are their own."""
         if self._recorder is not None:
             self._recorder.active = False
+        for cells in self._cell_hooks:
+            cells.remove()
         if self._apis is not None:
             self._apis.route_primitives(False)
 
