@@ -152,22 +152,3 @@ def test_mindspore_apis_pair_with_their_pytorch_counterparts(tmp_path):
         ("Tensor.__mul__.0.backward", "Tensor.mul.0.backward"),
         ("Mint.matmul.0.forward", "Torch.matmul.0.forward"),
         ("Functional.softmax.0.backward", "Functional.softmax.0.backward")})
-
-
-@pytest.mark.parametrize("name, canonical", [
-    ("Cell.layers.0.Dense.forward.3", "Module.layers.0.Linear.forward.3"),
-    ("Cell.blocks.CellList.backward.0", "Module.blocks.ModuleList.backward.0"),
-    ("Cell.fc.Dense.parameters_grad", "Module.fc.Linear.parameters_grad"),
-    ("Functional.dense.2.forward", "Functional.linear.2.forward"),
-    ("Functional.matmul.0.forward", "Torch.matmul.0.forward"),
-    ("MintFunctional.gelu.1.backward", "Functional.gelu.1.backward"),
-    ("MintDistributed.all_reduce.0.forward", "Distributed.all_reduce.0.forward"),
-    ("Primitive.matmul.MatMul.0.forward", "Primitive.matmul.MatMul.0.forward"),
-])
-def test_canonical_names(name, canonical):
-    from msprobe_engine.analysis.framework_map import canonical_label, canonical_name, canonical_names
-    assert canonical_name(name, "mindspore") == canonical
-    assert canonical_name(canonical, "pytorch") == canonical  # PyTorch names are the canonical ones
-    assert canonical_label("parameters.gamma", "mindspore") == "parameters.weight"
-    assert canonical_names(["Functional.relu.0.forward", "MintFunctional.relu.0.forward"], "mindspore") == [
-        "Functional.relu.0.forward", "MintFunctional.relu.0.forward"]  # a collision keeps its own name
