@@ -21,6 +21,12 @@ optimizer Cell's hooks see the gradients. In GRAPH_MODE (and inside
 parameters and optimizer state are read at step end, and gradients when they
 are handed over: `step_end(loss, grads)`, or, under `Model.train`, a train
 network that returns them, `Model(nn.TrainOneStepCell(net_with_loss, optimizer, return_grad=True))`.
+
+A rule's `skip` (PyNative) undoes that step's optimizer call: every Parameter of the optimizer
+Cell is restored bitwise (`cell_hooks.OptimizerState`); `stop` raises `TrainingStopped` out of
+the optimizer call, before the weights change. Under data parallelism (`msrun`,
+`mindspore.communication.init()`) statistics are merged over the group
+(`frameworks.mindspore.distributed`).
 """
 from __future__ import annotations
 
@@ -32,7 +38,9 @@ from mindspore.train import Callback, RunContext
 
 from msprobe_engine.frameworks.mindspore import backend as mindspore_backend
 from msprobe_engine.frameworks.mindspore.cell_hooks import CellHooks, OptimizerState, TensorBatch, compiled, is_tensor
-from msprobe_engine.config import ConfigSource
+from msprobe_engine.frameworks.mindspore.distributed import DataParallelMerge, data_parallel_world
+from msprobe_engine.config import ConfigSource, load_config
+from msprobe_engine.contract import Integration
 from msprobe_engine.monitor import Monitor
 from msprobe_engine.records import StepRecord
 from msprobe_engine.stats.table import MetricKey
@@ -44,8 +52,9 @@ GRAPH_MODE_WARNING = (
     "nn.TrainOneStepCell(..., return_grad=True)). Use PYNATIVE_MODE to monitor activations.")
 
 
-class MindSporeMonitor:
-    """Monitor a MindSpore Cell and its optimizer; call `step_end(loss, grads)` once per step."""
+class MindSporeMonitor(Integration):
+    """Monitor a MindSpore Cell and its optimizer; call `step_end(loss, grads)` once per step.
+    The monitor's facade (`close`, `flush`, `history`, `state_dict`, ...) is reached through it."""
 
     def __init__(self, net: nn.Cell, optimizer: Any = None, config: ConfigSource = None, **kwargs: Any) -> None:
         if not isinstance(net, nn.Cell):
@@ -55,13 +64,21 @@ class MindSporeMonitor:
             raise TypeError("MindSporeMonitor: optimizer must be a mindspore.nn.Optimizer or "
                             f"mindspore.experimental.optim.Optimizer, got {type(optimizer).__name__}; pass None "
                             "to monitor without optimizer state (gradients then come from step_end(loss, grads))")
-        self.monitor = Monitor(config, backend=mindspore_backend, **kwargs)
-        self.batch = TensorBatch(self.monitor)
+        rank, world = data_parallel_world()
+        if world > 1:
+            kwargs.setdefault("rank", rank)
+        config = load_config(config)
+        if world > 1:  # statistics of the whole data-parallel batch (per_rank: each rank's own data too)
+            kwargs.setdefault("reducer", DataParallelMerge(world, per_rank=config.per_rank))
+        super().__init__(Monitor(config, backend=mindspore_backend, **kwargs))
+        monitor = self.monitor
+        self.batch = TensorBatch(monitor)
         pynative = not compiled()
         if not pynative:
-            self.monitor.warn(GRAPH_MODE_WARNING)
-        self.cells = CellHooks(self.monitor, net, self.batch) if pynative else None
-        self.optim = OptimizerState(self.monitor, net, optimizer, self.batch, hooks=pynative)
+            monitor.warn(GRAPH_MODE_WARNING)
+        self.cells = CellHooks(monitor, net, self.batch) if pynative else None
+        self.optim = OptimizerState(monitor, net, optimizer, self.batch, hooks=pynative)
+        monitor.add_attachment(*([self.cells] if self.cells is not None else []), self.optim)
         self.optim.snapshot()  # for a first step whose optimizer runs where no hook does
 
     def step_end(self, loss: Any = None, grads: Any = None) -> StepRecord | None:
@@ -85,23 +102,6 @@ class MindSporeMonitor:
         if ran_compiled:
             self.optim.snapshot()
         return record
-
-    def flush(self) -> None:
-        """Wait until every finished step is written."""
-        self.monitor.flush()
-
-    def close(self) -> None:
-        """Remove the hooks, write what is pending and close the sinks."""
-        if self.cells is not None:
-            self.cells.remove()
-        self.optim.remove()
-        self.monitor.close()
-
-    def __enter__(self) -> "MindSporeMonitor":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _read_compiled_step(self, grads: Any) -> None:
         """The optimizer step ran where no hook runs: read its gradients and state now."""

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from msprobe_engine.analysis.framework_map import canonical_label, canonical_names
 from msprobe_engine.analysis.match import count_by_pass, match_entries
 from msprobe_engine.analysis.metrics import nonfinite_disagree, stat_differences, tensor_metrics
 from msprobe_engine.analysis.progress import Progress
@@ -155,22 +156,42 @@ def _load_pair(job: _Job, dump_a: RankDump, dump_b: RankDump, tensor_mode: bool)
         return str(e)
 
 
+def _names(dump: RankDump, other: RankDump) -> dict[str, str]:
+    """Matching name -> entry name; names are in PyTorch's terms when the frameworks differ
+    (`framework_map`), else the entry names themselves."""
+    names = list(dump.data)
+    if dump.framework == other.framework:
+        return dict(zip(names, names))
+    return dict(zip(canonical_names(names, dump.framework), names))
+
+
+def _refs(dump: RankDump, entry: str | None, other: RankDump) -> dict[str, TensorRef]:
+    if entry is None:
+        return {}
+    translate = dump.framework != other.framework
+    return {canonical_label(r.label, dump.framework) if translate else r.label: r
+            for r in iter_tensors(entry, dump.data[entry])}
+
+
 def _jobs(summary: RankComparison, dump_a: RankDump, dump_b: RankDump, progress: Progress) -> Iterator[_Job]:
-    pairs, summary.order_fallback = match_entries(list(dump_a.data), list(dump_b.data), dump_a.data, dump_b.data)
+    names_a, names_b = _names(dump_a, dump_b), _names(dump_b, dump_a)
+    pairs, summary.order_fallback = match_entries(
+        list(names_a), list(names_b), {n: dump_a.data[e] for n, e in names_a.items()},
+        {n: dump_b.data[e] for n, e in names_b.items()})
     summary.matched_by = count_by_pass(pairs)
     progress.start(len(pairs))
     for order, pair in enumerate(pairs):
         progress.update(order + 1)
+        entry_a, entry_b = names_a.get(pair.a), names_b.get(pair.b)
         if pair.how == "only_a":
-            summary.only_a.append(pair.a)
+            summary.only_a.append(entry_a)
         elif pair.how == "only_b":
-            summary.only_b.append(pair.b)
+            summary.only_b.append(entry_b)
         elif pair.how != "name":
-            summary.repaired.append((pair.a, pair.b))
-        refs_a = {r.label: r for r in iter_tensors(pair.a, dump_a.data[pair.a])} if pair.a else {}
-        refs_b = {r.label: r for r in iter_tensors(pair.b, dump_b.data[pair.b])} if pair.b else {}
+            summary.repaired.append((entry_a, entry_b))
+        refs_a, refs_b = _refs(dump_a, entry_a, dump_b), _refs(dump_b, entry_b, dump_a)
         for label in [*refs_a, *(k for k in refs_b if k not in refs_a)]:
-            row = _base_row(summary.step, summary.rank, order, pair.a, pair.b, pair.how, label,
+            row = _base_row(summary.step, summary.rank, order, entry_a, entry_b, pair.how, label,
                             refs_a.get(label), refs_b.get(label))
             yield _Job(row, refs_a.get(label), refs_b.get(label))
     progress.finish()

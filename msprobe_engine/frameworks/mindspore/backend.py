@@ -154,8 +154,8 @@ def _rows(tensors, layout, differences, empty, gather, count_zeros):
     if count_zeros:
         zeros = _counts(_is_zero, matrices, empty)
     else:
-        zeros = ops.cat([ops.fill(f64, (start,), _NAN), ops.zeros((empty,), f64)])  # as torch: 0 if empty
-    numels = [ops.fill(f64, (members,), numel) for numel, members, _ in layout] + [ops.zeros((empty,), f64)]
+        zeros = ops.cat(([ops.fill(f64, (start,), _NAN)] if start else []) + _zeros(empty, f64))  # torch: 0 if empty
+    numels = [ops.fill(f64, (members,), numel) for numel, members, _ in layout] + _zeros(empty, f64)
     rows = ops.cat([values, counts, ops.stack([zeros, ops.cat(numels)], 1)], 1)
     return ops.gather(rows, Tensor(gather, ms.int32), 0)
 
@@ -179,8 +179,15 @@ def _stack(family):
 
 def _counts(test, matrices, empty):
     """Per tensor, how many elements pass `test` (exact, int32), as one float64 vector."""
-    parts = [test(matrix).astype(ms.int32).sum(1) for matrix in matrices] + [ops.zeros((empty,), ms.int32)]
+    parts = [test(matrix).astype(ms.int32).sum(1) for matrix in matrices] + _zeros(empty, ms.int32)
     return ops.cat(parts).astype(ms.float64)
+
+
+def _zeros(n, dtype):
+    """``[n]`` zeros as a list of one block, or no block when `n` is 0: an empty `ops.zeros`
+    makes MindSpore's CPU Cast kernel warn at every launch ("the memory size of output must
+    be greater than 0")."""
+    return [ops.zeros((n,), dtype)] if n else []
 
 
 def _is_zero(matrix):

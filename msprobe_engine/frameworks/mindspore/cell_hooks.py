@@ -178,11 +178,21 @@ def known_state(optimizer: Any) -> dict[str, str]:
     return {}
 
 
+HeldState = list[tuple[Parameter, Tensor]]
+
+
 class OptimizerState:
     """Gradients before, and parameters, optimizer state and update after each optimizer step.
 
     With `hooks`, forward pre/post hooks on the optimizer Cell call `before_step` and
     `after_step` (PyNative); otherwise the integration calls them at step end.
+
+    A rule's `skip`: MindSpore has no way to keep an optimizer Cell that is called from
+    running, so when the decision (made in the pre-hook, before the weights change) says
+    skip, the pre-hook copies every Parameter of the optimizer Cell (the weights, the
+    moments, `global_step`/`state_step`, beta powers: one compiled launch) and the post-hook
+    assigns the copies back. The step then leaves no trace, as torch's skipped step.
+    Only skipped steps pay for it.
     """
 
     def __init__(self, monitor: "Monitor", net: nn.Cell, optimizer: Any,
@@ -199,6 +209,8 @@ class OptimizerState:
         self.by_name = {p.name: path for path, p in self.params}
         self.states = self._states(optimizer, watch.optimizer_state) if optimizer is not None else []
         self.stepped = False
+        self.optimizer = optimizer
+        self._held: HeldState = []
         self._before: tuple[Tensor, ...] | None = None
         self.handles: list = []
         foreign = self.order.count(None)
@@ -213,9 +225,10 @@ class OptimizerState:
             handle.remove()
         self.handles.clear()
 
-    def before_step(self, grads: Any) -> None:
+    def before_step(self, grads: Any, hooked: bool = False) -> None:
         """At the accumulation boundary: measure `grads` (a tuple in optimizer-parameter
-        order, or a {parameter name: grad} dict; None: not known)."""
+        order, or a {parameter name: grad} dict; None: not known). `hooked`: called by the
+        optimizer's pre-hook, before the step (so a `skip` can be applied)."""
         monitor = self.monitor
         if monitor.active:
             with monitor.guard("optimizer pre-step"):
@@ -226,12 +239,25 @@ class OptimizerState:
                     self.batch.flush()
         self.stepped = True
         if monitor.before_optimizer_step().skip:  # a `stop` rule raises out of it instead
-            monitor.warn("a rule asked to skip the optimizer step; MindSpore's optimizer step cannot be "
-                         "skipped from the monitor, it runs")
+            if hooked:
+                self._held = self.optimizer_state()
+            else:
+                monitor.warn("a rule asked to skip the optimizer step, but the step ran compiled (no optimizer "
+                             "hook ran) or without an optimizer; it was applied")
+
+    def optimizer_state(self) -> HeldState:
+        """Copies of every Parameter of the optimizer Cell (weights, moments, step counters)."""
+        params = [p for _, p in self.optimizer.parameters_and_names()]
+        return list(zip(params, _copies(ms.mutable(tuple(params)))))
 
     def after_step(self) -> None:
-        """After the optimizer step: parameters, optimizer state and the update."""
+        """After the optimizer step: parameters, optimizer state and the update. A skipped step
+        is undone first: every Parameter of the optimizer gets its copy back (bitwise)."""
         monitor = self.monitor
+        if self._held:
+            held, self._held = self._held, []
+            for param, copy in held:
+                ops.assign(param, copy)
         if monitor.active:
             with monitor.guard("optimizer post-step"):
                 self._read_after_step()
@@ -246,7 +272,7 @@ class OptimizerState:
     def _pre_hook(self, cell: nn.Cell, args: tuple) -> None:
         with self.monitor.guard("optimizer pre-step"):
             self.snapshot()
-        self.before_step(args[0] if args else None)
+        self.before_step(args[0] if args else None, hooked=True)
 
     def _post_hook(self, cell: nn.Cell, args: tuple, output: Any) -> None:
         self.after_step()

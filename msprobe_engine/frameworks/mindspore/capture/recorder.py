@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import sys
 from typing import Any, Callable, Iterator
 
 import mindspore as ms
@@ -25,11 +27,14 @@ from mindspore import Tensor
 from msprobe_engine.dump.config import DumpConfig
 from msprobe_engine.dump.entry import UNHANDLED, TensorSlot, describe
 from msprobe_engine.dump.select import Selection
-from msprobe_engine.dump.writer import StepData
+from msprobe_engine.dump.writer import Frames, StepData
+from msprobe_engine.frameworks.mindspore.capture.apis import Gate
 
 log = logging.getLogger("msprobe_engine")
 
 TensorItems = list[tuple[TensorSlot, np.ndarray]]
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+_CELL_MACHINERY = os.path.join("mindspore", "nn", "cell.py")
 _FLOATS = (ms.float16, ms.bfloat16, ms.float32, ms.float64)
 
 
@@ -64,14 +69,28 @@ class CellRecorder:
         self.emit_tensors = emit_tensors
         self.save_tensors = config.task == "tensor"
         self.copies = self.save_tensors or config.summary_mode == "md5"
-        self.active = False
+        self.gate = Gate()
+        self._active = False
         self.transfers = 0
         self.hook_errors: dict[str, int] = {}
         self._reset()
 
+    @property
+    def active(self) -> bool:
+        """Recording now (switched by the session's start/stop); API calls are routed only then."""
+        return self._active
+
+    @active.setter
+    def active(self, value: bool) -> None:
+        self._active = value
+        self.gate.open = value and self.sel.apis
+
     def _reset(self) -> None:
         self.entries: dict[str, Any] = {}
         self.construct: dict[str, str | None] = {}
+        self.stacks: dict[str, Frames] | None = {} if self.config.stack else None
+        self._api_depth = 0  # > 0 inside a recorded API call (calls inside it are not recorded)
+        self._frames: Frames | None = None
         self._counters: dict[str, int] = {}
         self._open: list[tuple[str, str, bool]] = []  # (key, forward name, dumped) of running calls
         self._backward: dict[str, list[tuple[str, str | None]]] = {}  # key -> (backward name, parent)
@@ -84,7 +103,9 @@ class CellRecorder:
     # ---- errors ------------------------------------------------------------------------
     @contextlib.contextmanager
     def _guard(self, where: str) -> Iterator[None]:
-        """An error in a hook is logged once per `where` and skipped (strict: raised)."""
+        """A hook body: its own MindSpore calls are not routed (the gate is closed meanwhile);
+        an error is logged once per `where` and skipped (strict: raised)."""
+        routed, self.gate.open = self.gate.open, False
         try:
             yield
         except Exception as exc:
@@ -95,6 +116,8 @@ class CellRecorder:
             if count == 0:
                 log.error("msprobe dump: error in %s: %s: %s; it is reported once and skipped",
                           where, type(exc).__name__, exc)
+        finally:
+            self.gate.open = routed
 
     # ---- tensors -----------------------------------------------------------------------
     def _leaf(self, value: Any, name: str) -> Any:
@@ -139,11 +162,11 @@ class CellRecorder:
             if self._blocks:
                 host = self.backend.to_host(self.backend.concat(self._blocks))
                 self.transfers += 1
-            return StepData(self.entries, self.construct, None, host)
+            return StepData(self.entries, self.construct, self.stacks, host)
         finally:
             self._reset()
 
-    # ---- Cells -------------------------------------------------------------------------
+    # ---- Cells (L0, mix) and APIs (L1, mix) -----------------------------------------------
     def _count(self, key: str) -> int:
         n = self._counters.get(key, 0)
         self._counters[key] = n + 1
@@ -151,28 +174,57 @@ class CellRecorder:
 
     def cell_begin(self, key: str) -> None:
         """Forward pre-hook of the Cell named `key` (``Cell.<path>.<Class>``)."""
+        if self.active:
+            with self._guard(f"forward pre-hook of {key}"):
+                n = self._count(key)
+                self._begin(key, f"{key}.forward.{n}", f"{key}.backward.{n}")
+
+    def api_begin(self, key: str) -> None:
+        """Forward pre-hook of the API named `key` (``Functional.relu``, ``Primitive.matmul.MatMul``)."""
         if not self.active:
             return
-        with self._guard(f"forward pre-hook of {key}"):
+        self._api_depth += 1
+        if self._api_depth > 1:
+            return
+        with self._guard(f"API {key}"):
             n = self._count(key)
-            forward, backward = f"{key}.forward.{n}", f"{key}.backward.{n}"
-            want = self.sel.want(key, forward, backward)
-            in_scope = self.sel.begin(forward)
-            parent = self._open[-1][1] if self._open else None
-            self._open.append((key, forward, want.forward and in_scope))
-            self._ran.add(key)
-            if want.backward:
-                parent_backward = parent.replace(".forward.", ".backward.") if parent else None
-                self._backward.setdefault(key, []).append((backward, parent_backward))
+            self._begin(key, f"{key}.{n}.forward", f"{key}.{n}.backward")
+
+    def _begin(self, key: str, forward: str, backward: str) -> None:
+        want = self.sel.want(key, forward, backward)
+        in_scope = self.sel.begin(forward)
+        parent = self._open[-1][1] if self._open else None
+        keep = want.forward and in_scope
+        self._open.append((key, forward, keep))
+        self._ran.add(key)
+        if keep and self.stacks is not None:
+            self.stacks[forward] = call_stack()
+        if want.backward:
+            parent_backward = parent.replace(".forward.", ".backward.") if parent else None
+            self._backward.setdefault(key, []).append((backward, parent_backward))
 
     def cell_end(self, key: str, args: tuple, kwargs: dict, output: Any, params: list[tuple[str, Any]]) -> None:
         """Forward hook of a Cell: its forward entry (inputs, output, own parameters)."""
+        self._end(key, args, kwargs, output, params, f"forward hook of {key}")
+
+    def api_end(self, key: str, args: tuple, kwargs: dict, output: Any) -> None:
+        """Forward hook of an API: its forward entry (inputs, output)."""
+        if self._api_depth == 0:
+            return
+        self._api_depth -= 1
+        if self._api_depth == 0:
+            self._end(key, args, kwargs, output, [], f"API {key}")
+
+    def _end(self, key: str, args: tuple, kwargs: dict, output: Any, params: list[tuple[str, Any]],
+             where: str) -> None:
         if not self._open or self._open[-1][0] != key:
             return
-        with self._guard(f"forward hook of {key}"):
+        with self._guard(where):
             _, forward, keep = self._open.pop()
             self.sel.end(forward)
             if not keep:
+                if self.stacks is not None:
+                    self.stacks.pop(forward, None)
                 return
             entry: dict[str, Any] = {}
             if self.sel.inputs:
@@ -185,7 +237,7 @@ class CellRecorder:
             self._add(forward, entry, self._open[-1][1] if self._open else None)
 
     def cell_backward(self, key: str, grad_input: Any, grad_output: Any) -> None:
-        """Backward hook of a Cell: gradients of its inputs (`grad_input`) and outputs."""
+        """Backward hook of a Cell or API: gradients of its inputs (`grad_input`) and outputs."""
         pending = self._backward.get(key)
         if not self.active or not pending:
             return
@@ -201,6 +253,8 @@ class CellRecorder:
             if self.sel.outputs:
                 entry["output"] = self._grads(grad_input, f"{backward}.output")
             self._add(backward, entry, parent)
+
+    api_backward = cell_backward
 
     def _grads(self, grads: Any, name: str) -> list:
         return [self._slot(g, f"{name}.{i}") if isinstance(g, Tensor) else None
@@ -227,4 +281,17 @@ class CellRecorder:
 
     def _add(self, name: str, entry: dict, parent: str | None) -> None:
         self.entries[name] = entry
-        self.construct[name] = parent
+        if self.sel.modules:
+            self.construct[name] = parent
+
+
+def call_stack() -> Frames:
+    """The caller's stack, innermost first, without this package's frames and MindSpore's Cell
+    machinery (``mindspore/nn/cell.py``) between the user's code and the hook."""
+    frames, frame = [], sys._getframe(1)
+    while frame is not None:
+        file = frame.f_code.co_filename
+        if not file.startswith(_PACKAGE_DIR) and not file.endswith(_CELL_MACHINERY):
+            frames.append((file, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    return frames

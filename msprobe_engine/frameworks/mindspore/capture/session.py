@@ -1,4 +1,4 @@
-"""`MindSporePrecisionDebugger`: the dump session for MindSpore (L0, Cell level, PyNative).
+"""`MindSporePrecisionDebugger`: the dump session for MindSpore (L0 Cells, L1 APIs, mix; PyNative).
 
 ::
 
@@ -15,8 +15,10 @@
 The same config keys and the same session as PyTorch's `PrecisionDebugger` (whose start/stop/
 step/close, writer and atomic step directories it inherits); dump.json is in the reference's
 MindSpore format (``Cell.`` names, ``"type": "mindspore.Tensor"``, dtypes such as ``Float32``,
-no ``requires_grad``), tensors are ``.npy`` files. Statistics are computed by the MindSpore
-backend; torch is never imported. Only level L0 exists for MindSpore (no API-level dump).
+no ``requires_grad``), tensors are ``.npy`` files, construct.json (L0, mix) gives each entry's
+enclosing Cell, stack.json (``"stack": true``) each forward call's stack. Statistics are computed
+by the MindSpore backend; torch is never imported. L1 and mix record API calls
+(`capture.apis`) and need PYNATIVE_MODE: in GRAPH_MODE `start` raises `ConfigError`.
 """
 from __future__ import annotations
 
@@ -50,10 +52,9 @@ class MindSporePrecisionDebugger(DumpSession):
         require_support(self.config.task, "MindSpore", ("statistics", "tensor"))
         if self.config.summary_mode == "xor":
             raise ConfigError("summary_mode: 'xor' is not supported on MindSpore yet; use statistics or md5")
-        if self.config.level != "L0":
-            raise ConfigError(f"level: {self.config.level!r}: the MindSpore dump has level L0 only "
-                              "(Cells); set \"level\": \"L0\"")
         self._params = list(params) if params is not None else None
+        self._apis: Any = None
+        self._cell_hooks: list[Any] = []  # one DumpCellHooks per hooked net
         self._owners: dict[int, tuple[str, str]] = {}
 
     def step(self, grads: Any = None) -> None:
@@ -67,26 +68,42 @@ class MindSporePrecisionDebugger(DumpSession):
         from mindspore import nn
 
         from msprobe_engine.frameworks.mindspore import backend as mindspore_backend
+        from msprobe_engine.frameworks.mindspore.capture.apis import ApiHooks, api_keys, missing_interfaces
         from msprobe_engine.frameworks.mindspore.capture.cells import cell_keys
         from msprobe_engine.frameworks.mindspore.capture.recorder import CellRecorder
 
         if not isinstance(model, nn.Cell):
-            raise ConfigError(f"level L0 dumps Cells: pass the net (a mindspore.nn.Cell) to start(net), "
+            raise ConfigError(f"the MindSpore dump watches a net: pass it (a mindspore.nn.Cell) to start(net), "
                               f"got {type(model).__name__}")
         self.rank, world = _rank_and_world()
         self.config.check_ranks(world)
-        check_names(self.config, cell_keys(model), None)
+        apis = self.config.level != "L0"
+        if apis and _graph_mode():
+            raise ConfigError(f"level {self.config.level!r} needs PYNATIVE_MODE: the context's mode is GRAPH_MODE, "
+                              "where no API call can be watched; call mindspore.set_context(mode="
+                              "mindspore.PYNATIVE_MODE) before training, or use level L0 (parameter gradients)")
+        missing = missing_interfaces() if apis else []
+        if missing:
+            raise ConfigError(f"level {self.config.level!r} needs interfaces this MindSpore lacks: "
+                              f"{', '.join(missing)}; upgrade MindSpore (2.10 is tested) or use level L0")
+        check_names(self.config, cell_keys(model), _Keys(api_keys()) if apis else None)
         self._recorder = CellRecorder(self.config, mindspore_backend, self._emit_tensors)
+        if apis:
+            self._apis = ApiHooks(self._recorder, self._recorder.gate, backward=self._recorder.sel.backward)
+            self._hooks.append(self._apis)
         self._hook_model(model)
 
     def _hook_model(self, model: Any) -> None:
-        import mindspore as ms
-
         from msprobe_engine.frameworks.mindspore.capture.cells import DumpCellHooks, parameter_owners
 
-        if ms.get_context("mode") == ms.GRAPH_MODE:
+        if _graph_mode():
             log.warning(GRAPH_MODE_WARNING)
-        self._hooks.append(DumpCellHooks(self._recorder, model, backward=self._recorder.sel.backward))
+        sel = self._recorder.sel
+        cells = DumpCellHooks(self._recorder, model, backward=sel.backward, cells=sel.modules)
+        self._hooks.append(cells)
+        self._cell_hooks.append(cells)
+        if self._apis is not None:
+            self._apis.hook_primitives(model)
         self._owners.update(parameter_owners(model))
         if self._params is None:
             self._params = list(model.trainable_params())
@@ -96,10 +113,19 @@ class MindSporePrecisionDebugger(DumpSession):
         wanted = self.config.wants_step(self.current_step) and self.config.wants_rank(self.rank or 0)
         if self._running and wanted and self._recorder is not None:
             self._recorder.active = self._collected = True
+            for cells in self._cell_hooks:
+                cells.install()
+            if self._apis is not None:
+                self._apis.route_primitives(True)
 
     def _deactivate(self) -> None:
+        """Between dumped steps the nets carry no hook of the dump and their Primitives are their own."""
         if self._recorder is not None:
             self._recorder.active = False
+        for cells in self._cell_hooks:
+            cells.remove()
+        if self._apis is not None:
+            self._apis.route_primitives(False)
 
     def _tensor_writers(self) -> tuple[Any, Any]:
         return (_save_npy if self.config.task == "tensor" else None,
@@ -121,6 +147,21 @@ class MindSporePrecisionDebugger(DumpSession):
                 return []
             pairs = list(zip(params, grads))
         return [(*self._owners[id(p)], g) for p, g in pairs if p is not None and id(p) in self._owners]
+
+
+class _Keys:
+    """The API keys as `check_names` asks for them."""
+
+    def __init__(self, keys: frozenset[str]) -> None:
+        self.keys = keys
+
+    def has_key(self, key: str) -> bool:
+        return key in self.keys or key.startswith("Primitive.")
+
+
+def _graph_mode() -> bool:
+    import mindspore as ms
+    return ms.get_context("mode") == ms.GRAPH_MODE
 
 
 def _save_npy(array: np.ndarray, path: Path) -> None:
