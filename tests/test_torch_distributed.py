@@ -1,0 +1,196 @@
+"""TorchMonitor under PyTorch's own data parallelism, on CPU with gloo.
+
+The layout invariance test trains the same float64 model on the same batch on 1 rank, with
+DDP on 2 ranks, FSDP2 on 2 ranks and HSDP on a 2x2 mesh (4 ranks): at step 0 every
+statistic (per-parameter gradients, parameters, AdamW moments, activations, the loss and the
+global grad norm) must equal the single-process one within 1e-6 relative, with the same tags.
+The same runs also check the `misreported_grad_norm` rule (a loop that reports the norm of
+its local shards at step 1) and the `replica_drift` rule (one replica's weight perturbed after
+step 0); a third 2-rank run wraps the model in a wrapper the monitor does not understand.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.multiproc import run_ranks
+
+BATCH, STEPS = 8, 2
+
+
+def _model():
+    import torch
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2)).double()
+
+
+def _config(out: str) -> dict:
+    return {"output_dir": out, "strict": True, "sinks": [], "incidents": {"enabled": False},
+            "watch": {"params": True, "optimizer_state": ["exp_avg", "exp_avg_sq"]},
+            "alerts": [{"rule": "misreported_grad_norm"}, {"rule": "replica_drift", "every": 1, "bucket_numel": 1}]}
+
+
+def _local_shard_norm(model):
+    """The classic bug: the norm of this rank's shards only (no reduction over the ranks)."""
+    import torch
+    from msprobe_engine.frameworks.torch.fsdp import local_tensor
+    return torch.linalg.vector_norm(torch.stack([local_tensor(p.grad).norm() for p in model.parameters()]))
+
+
+def _train(model, out: str, rank: int, dp: int, misreport: bool = False, perturb: str = "") -> dict:
+    """Two steps on this rank's slice of a fixed batch; rank 0's records and alerts."""
+    import torch
+    from msprobe_engine.frameworks.torch.fsdp import local_tensor
+    from msprobe_integrations.torch import TorchMonitor
+
+    gen = torch.Generator().manual_seed(1)
+    data, target = (torch.randn(BATCH, 4, generator=gen, dtype=torch.float64),
+                    torch.randn(BATCH, 2, generator=gen, dtype=torch.float64))
+    part = slice(rank * BATCH // dp, (rank + 1) * BATCH // dp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    monitor = TorchMonitor(model, opt, _config(out))
+    for step in range(STEPS):
+        loss = (model(data[part]) - target[part]).pow(2).mean()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=100.0)
+        monitor.report_grad_norm(_local_shard_norm(model) if misreport and step == 1 else norm, max_norm=100.0)
+        opt.step()
+        opt.zero_grad()
+        monitor.step_end(loss.detach())
+        if step == 0 and perturb:  # this rank's copy only (a DTensor op would be a collective)
+            with torch.no_grad():
+                local_tensor(dict(monitor.wrapping.inner.named_parameters())[perturb]).view(-1)[0] += 1e-3
+    monitor.close()
+    return {"metrics": [r.metrics for r in monitor.history], "transfers": monitor.transfers,
+            "alerts": [(e.rule, e.step, e.tag, e.also) for e in monitor.alert_log if e.phase == "start"],
+            "warnings": sorted(monitor._warned), "reducer": type(monitor.reducer).__name__}
+
+
+def _two_ranks(rank: int, world: int, out: str) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo")
+    results = {"ddp": _train(DistributedDataParallel(_model()), f"{out}/ddp", rank, world,
+                             perturb="2.weight" if rank == 1 else "")}
+    model = _model()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh)
+    results["fsdp2"] = _train(model, f"{out}/fsdp2", rank, world, misreport=True)
+
+    class Wrapper(torch.nn.Module):  # a wrapper the monitor does not know
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x)
+
+    results["custom"] = _train(Wrapper(_model()), f"{out}/custom", rank, world)
+    dist.destroy_process_group()
+    return results
+
+
+def _hsdp(rank: int, world: int, out: str) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    model = _model()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh)
+    # rank 3 holds the same shards as rank 1 (coordinates (1, 1) and (0, 1)): perturb its copy
+    result = _train(model, out, rank, world, perturb="0.bias" if rank == 3 else "")
+    dist.destroy_process_group()
+    return result
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("torch_distributed")
+    two = run_ranks(_two_ranks, 2, str(out / "two"), timeout=240)
+    return {"single": _train(_model(), str(out / "single"), 0, 1), **two[0],
+            "hsdp": run_ranks(_hsdp, 4, str(out / "hsdp"), timeout=240)[0]}
+
+
+def _close(a: float, b: float) -> bool:
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return abs(a - b) <= 1e-6 * max(abs(a), abs(b)) or abs(a - b) < 1e-12
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["ddp", "fsdp2", "hsdp"])
+def test_statistics_equal_the_single_process_ones(runs, layout):
+    reference, got = runs["single"]["metrics"][0], runs[layout]["metrics"][0]
+    assert set(got) == set(reference)
+    assert {t.split("/")[0] for t in got} >= {"grad", "param", "optim", "actv", "train"}
+    wrong = {t: (got[t], reference[t]) for t in reference if not _close(got[t], reference[t])}
+    assert not wrong, wrong
+    assert runs[layout]["reducer"] == "DataParallelMerge"
+    assert runs[layout]["transfers"] == STEPS  # one packed transfer (one collective) per step
+
+
+@pytest.mark.slow
+def test_fsdp2_gradients_are_sharded_yet_merged(runs):
+    """The local shard norm differs from the merged one: the merge is what makes them equal."""
+    metrics = runs["fsdp2"]["metrics"][1]
+    assert metrics["train/reported_grad_norm"] < 0.9 * metrics["grad/global/norm"]
+
+
+@pytest.mark.slow
+def test_a_loop_reporting_its_local_shard_norm_is_caught(runs):
+    assert [(rule, step) for rule, step, *_ in runs["fsdp2"]["alerts"]] == [("misreported_grad_norm", 1)]
+    for layout in ("single", "ddp", "hsdp"):  # clip_grad_norm_'s own return is the true norm
+        assert not [a for a in runs[layout]["alerts"] if a[0] == "misreported_grad_norm"], layout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, rank, param", [("ddp", 1, "2.weight"), ("hsdp", 3, "0.bias")])
+def test_a_perturbed_replica_raises_an_alert_naming_it(runs, layout, rank, param):
+    drift = [a for a in runs[layout]["alerts"] if a[0] == "replica_drift"]
+    assert drift == [("replica_drift", 1, f"train/replica_drift/rank{rank}/{param}", ())]
+    assert not [a for a in runs["fsdp2"]["alerts"] if a[0] == "replica_drift"]
+
+
+@pytest.mark.slow
+def test_an_unknown_wrapper_is_warned_about_and_not_merged(runs):
+    custom = runs["custom"]
+    assert custom["reducer"] == "NoneType"
+    warning = next(w for w in custom["warnings"] if "NOTHING is merged" in w)
+    assert "Wrapper" in warning and "rank 0's own local numbers" in warning
+    # rank 0's own half batch: its loss differs from the whole batch's
+    assert custom["metrics"][0]["train/loss"] != runs["single"]["metrics"][0]["train/loss"]
+
+
+def test_single_process_without_distributed_has_no_reducer(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="msprobe_engine"):
+        result = _train(_model(), str(tmp_path), 0, 1)
+    assert result["reducer"] == "NoneType"
+    assert any("no replicas to compare" in w for w in result["warnings"])
+    assert not result["alerts"]
+
+
+def test_the_misreported_norm_rule_allows_for_clipping():
+    import numpy as np
+    from msprobe_engine.rules.misreported_grad_norm import MisreportedGradNormRule
+    from msprobe_engine.stats.table import StatTable
+
+    rule = MisreportedGradNormRule(MisreportedGradNormRule.Config(rule="misreported_grad_norm"))
+    table = StatTable([], np.zeros((0, 8)))
+    clipped = {"grad/global/norm": 1.0, "train/reported_grad_norm": 7.0, "train/grad_clip_max_norm": 1.0}
+    assert rule.evaluate(table, {}, clipped) == []
+    assert rule.evaluate(table, {}, {"grad/global/norm": 1.0, "train/reported_grad_norm": 7.0})
+    low = rule.evaluate(table, {}, {**clipped, "train/reported_grad_norm": 0.5})
+    assert [(f.value, f.threshold) for f in low] == [(0.5, 1.0)]
