@@ -40,8 +40,14 @@ def _local_shard_norm(model):
     return torch.linalg.vector_norm(torch.stack([local_tensor(p.grad).norm() for p in model.parameters()]))
 
 
-def _train(model, out: str, rank: int, dp: int, misreport: bool = False, perturb: str = "") -> dict:
-    """Two steps on this rank's slice of a fixed batch; rank 0's records and alerts."""
+def _full_grad_norms(model) -> dict:
+    """Each parameter's gradient norm from the whole gradient (gathered: the independent truth)."""
+    return {name: float(getattr(p.grad, "full_tensor", lambda: p.grad)().norm()) for name, p in model.named_parameters()}
+
+
+def _train(model, out: str, rank: int, dp: int, misreport: bool = False, perturb: str = "", micro: int = 1) -> dict:
+    """Two steps on this rank's slice of a fixed batch (in `micro` micro-batches); rank 0's
+    records and alerts."""
     import torch
     from msprobe_engine.frameworks.torch.fsdp import local_tensor
     from msprobe_integrations.torch import TorchMonitor
@@ -52,9 +58,16 @@ def _train(model, out: str, rank: int, dp: int, misreport: bool = False, perturb
     part = slice(rank * BATCH // dp, (rank + 1) * BATCH // dp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     monitor = TorchMonitor(model, opt, _config(out))
+    dtype = next(model.parameters()).dtype
+    data, target = data.to(dtype), target.to(dtype)
+    truth = {}
     for step in range(STEPS):
-        loss = (model(data[part]) - target[part]).pow(2).mean()
-        loss.backward()
+        for i, (x, y) in enumerate(zip(data[part].chunk(micro), target[part].chunk(micro))):
+            if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: reduce-scatter on the last one
+                model.set_requires_gradient_sync(i == micro - 1)
+            loss = (model(x) - y).pow(2).mean() / micro
+            loss.backward()
+        truth = truth or _full_grad_norms(monitor.wrapping.inner)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=100.0)
         monitor.report_grad_norm(_local_shard_norm(model) if misreport and step == 1 else norm, max_norm=100.0)
         opt.step()
@@ -64,7 +77,7 @@ def _train(model, out: str, rank: int, dp: int, misreport: bool = False, perturb
             with torch.no_grad():
                 local_tensor(dict(monitor.wrapping.inner.named_parameters())[perturb]).view(-1)[0] += 1e-3
     monitor.close()
-    return {"metrics": [r.metrics for r in monitor.history], "transfers": monitor.transfers,
+    return {"metrics": [r.metrics for r in monitor.history], "transfers": monitor.transfers, "truth": truth,
             "alerts": [(e.rule, e.step, e.tag, e.also) for e in monitor.alert_log if e.phase == "start"],
             "warnings": sorted(monitor._warned), "reducer": type(monitor.reducer).__name__}
 
@@ -73,7 +86,7 @@ def _two_ranks(rank: int, world: int, out: str) -> dict:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
     dist.init_process_group("gloo")
@@ -85,6 +98,12 @@ def _two_ranks(rank: int, world: int, out: str) -> dict:
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh)
     results["fsdp2"] = _train(model, f"{out}/fsdp2", rank, world, misreport=True)
+    model = _model().float()  # bf16 compute, fp32 shards and reduce-scatter, 2 micro-batches
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    results["fsdp2_mp"] = _train(model, f"{out}/fsdp2_mp", rank, world, micro=2)
 
     class Wrapper(torch.nn.Module):  # a wrapper the monitor does not know
         def __init__(self, inner):
@@ -140,6 +159,18 @@ def test_statistics_equal_the_single_process_ones(runs, layout):
     assert not wrong, wrong
     assert runs[layout]["reducer"] == "DataParallelMerge"
     assert runs[layout]["transfers"] == STEPS  # one packed transfer (one collective) per step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["single", "ddp", "fsdp2", "fsdp2_mp", "hsdp"])
+def test_gradient_norms_equal_those_of_the_gathered_gradients(runs, layout):
+    """Merged from shards (or taken once from copies), each gradient's norm is the full one's."""
+    metrics, truth = runs[layout]["metrics"][0], runs[layout]["truth"]
+    assert len(truth) == 4
+    wrong = {n: (metrics[f"grad/{n}/norm"], v) for n, v in truth.items() if not _close(metrics[f"grad/{n}/norm"], v)}
+    assert not wrong, wrong
+    if layout == "fsdp2_mp":  # and clip_grad_norm_'s norm of bf16-computed grads is the merged one
+        assert not runs[layout]["alerts"] and runs[layout]["metrics"][0]["train/reported_grad_norm"] > 0
 
 
 @pytest.mark.slow
