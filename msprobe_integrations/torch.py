@@ -56,6 +56,9 @@ class TorchMonitor(Integration):
         self.wrapping = wrapping
         if wrapping.kind == "unknown":
             self.monitor.warn(not_merged_warning(wrapping, self.monitor.rank))
+        if wrapping.kind in ("ddp", "fsdp2") and self.monitor.config.per_rank and self.monitor.decide_early:
+            self.monitor.warn("per_rank with a skip/stop rule: a rule on a rank's own rows (activations, loss) "
+                              "may decide differently on different ranks, and their replicas would diverge")
         self._install_replica_check(wrapping, optimizer)
 
     def _install_replica_check(self, wrapping: Any, optimizer: Any) -> None:
