@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 
 import torch
@@ -101,17 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" in os.environ:  # started by torchrun
         train(args)
         return 0
-    with socket.socket() as sock:  # a free port for the spawned ranks to meet on
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    torch.multiprocessing.spawn(_spawned, args=(args.world, port, args), nprocs=args.world)
+    # no launcher: torch's own elastic agent starts the ranks here (what torchrun would do)
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    ranks = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.world, run_id="ddp_fsdp_train",
+                         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.2)
+    elastic_launch(ranks, train)(args)
     return 0
-
-
-def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    train(args)
 
 
 if __name__ == "__main__":
