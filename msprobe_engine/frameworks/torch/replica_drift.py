@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 import torch.distributed as dist
 
-from msprobe_engine.frameworks.torch.distributed import _all_gather
+from msprobe_engine.frameworks.torch.distributed import gather_rows
 from msprobe_engine.frameworks.torch.fsdp import local_tensor, shard_position
 from msprobe_engine.rules.replica_drift import PREFIX
 from msprobe_engine.stats.table import MetricKey
@@ -98,10 +98,9 @@ class ReplicaDriftCheck:
     def check(self) -> dict[int, list[str]]:
         """Compare the replicas now (a collective: every rank calls it); rank -> drifting parameters."""
         local = torch.stack([torch.stack([checksum(p) for _, p in bucket]).sum() for bucket in self.buckets])
-        gathered = torch.empty(len(self.positions) * len(local), dtype=local.dtype, device=local.device)
-        _all_gather(gathered, local, group=self.group)
+        gathered = gather_rows(local.unsqueeze(0), self.group)  # [world, 1, buckets]
         self.checks += 1
-        found = drifting(gathered.view(len(self.positions), -1).cpu(), self.positions)
+        found = drifting(gathered[:, 0].cpu(), self.positions)
         drift = {rank: [name for b in bucket_ids for name, _ in self.buckets[b]] for rank, bucket_ids in found.items()}
         if drift:
             keys = [MetricKey("train", f"{PREFIX}rank{rank}/{name}") for rank, names in drift.items() for name in names]
