@@ -155,7 +155,8 @@ def test_statistics_equal_the_single_process_ones(runs, layout):
     reference, got = runs["single"]["metrics"][0], runs[layout]["metrics"][0]
     assert set(got) == set(reference)
     assert {t.split("/")[0] for t in got} >= {"grad", "param", "optim", "actv", "train"}
-    wrong = {t: (got[t], reference[t]) for t in reference if not _close(got[t], reference[t])}
+    timings = {t for t in reference if t.endswith("_ms")}  # the monitor's host time (Health/monitor_ms)
+    wrong = {t: (got[t], reference[t]) for t in set(reference) - timings if not _close(got[t], reference[t])}
     assert not wrong, wrong
     assert runs[layout]["reducer"] == "DataParallelMerge"
     assert runs[layout]["transfers"] == STEPS  # one packed transfer (one collective) per step
