@@ -6,7 +6,8 @@ statistic (per-parameter gradients, parameters, AdamW moments, activations, the 
 global grad norm) must equal the single-process one within 1e-6 relative, with the same tags.
 The same runs also check the `misreported_grad_norm` rule (a loop that reports the norm of
 its local shards at step 1) and the `replica_drift` rule (one replica's weight perturbed after
-step 0); a third 2-rank run wraps the model in a wrapper the monitor does not understand.
+step 0); the 2-rank run also wraps the model in FSDP1 and in a custom wrapper, which the
+monitor does not understand: a warning, nothing merged.
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def _local_shard_norm(model):
 
 def _full_grad_norms(model) -> dict:
     """Each parameter's gradient norm from the whole gradient (gathered: the independent truth)."""
-    return {name: float(getattr(p.grad, "full_tensor", lambda: p.grad)().norm()) for name, p in model.named_parameters()}
+    return {name: float(getattr(p.grad, "full_tensor", lambda: p.grad)().norm())
+            for name, p in model.named_parameters() if p.grad is not None}
 
 
 def _train(model, out: str, rank: int, dp: int, misreport: bool = False, perturb: str = "", micro: int = 1) -> dict:
@@ -86,7 +88,7 @@ def _two_ranks(rank: int, world: int, out: str) -> dict:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecisionPolicy, fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
     dist.init_process_group("gloo")
@@ -114,6 +116,8 @@ def _two_ranks(rank: int, world: int, out: str) -> dict:
             return self.inner(x)
 
     results["custom"] = _train(Wrapper(_model()), f"{out}/custom", rank, world)
+    results["fsdp1"] = _train(FullyShardedDataParallel(_model(), device_id=torch.device("cpu")), f"{out}/fsdp1",
+                              rank, world)
     dist.destroy_process_group()
     return results
 
@@ -197,13 +201,15 @@ def test_a_perturbed_replica_raises_an_alert_naming_it(runs, layout, rank, param
 
 
 @pytest.mark.slow
-def test_an_unknown_wrapper_is_warned_about_and_not_merged(runs):
-    custom = runs["custom"]
-    assert custom["reducer"] == "NoneType"
-    warning = next(w for w in custom["warnings"] if "NOTHING is merged" in w)
-    assert "Wrapper" in warning and "rank 0's own local numbers" in warning
+@pytest.mark.parametrize("layout, named", [("custom", "test_torch_distributed.Wrapper"),
+                                           ("fsdp1", "FullyShardedDataParallel (FSDP1) at the root")])
+def test_an_unknown_wrapper_is_warned_about_and_not_merged(runs, layout, named):
+    result = runs[layout]
+    assert result["reducer"] == "NoneType"
+    warning = next(w for w in result["warnings"] if "NOTHING is merged" in w)
+    assert named in warning and "rank 0's own local numbers" in warning
     # rank 0's own half batch: its loss differs from the whole batch's
-    assert custom["metrics"][0]["train/loss"] != runs["single"]["metrics"][0]["train/loss"]
+    assert result["metrics"][0]["train/loss"] != runs["single"]["metrics"][0]["train/loss"]
 
 
 def test_single_process_without_distributed_has_no_reducer(tmp_path, caplog):
