@@ -232,3 +232,18 @@ def test_the_misreported_norm_rule_allows_for_clipping():
     assert rule.evaluate(table, {}, {"grad/global/norm": 1.0, "train/reported_grad_norm": 7.0})
     low = rule.evaluate(table, {}, {**clipped, "train/reported_grad_norm": 0.5})
     assert [(f.value, f.threshold) for f in low] == [(0.5, 1.0)]
+
+
+def test_drift_is_named_against_the_majority_of_the_replicas():
+    import torch
+    from msprobe_engine.frameworks.torch.replica_drift import checksum, drifting
+
+    hashes = torch.tensor([[1, 2], [1, 3], [1, 2]])
+    assert drifting(hashes, [()] * 3) == {1: [1]}
+    assert drifting(torch.tensor([[5], [6]]), [()] * 2) == {1: [0]}  # a tie: the lowest rank's value
+    # HSDP 2x2: ranks 0/2 and 1/3 hold the same shards; rank 0 and 1 differ from each other legitimately
+    assert drifting(torch.tensor([[1], [9], [1], [8]]), [(0,), (1,), (0,), (1,)]) == {3: [0]}
+    weights = torch.randn(64)
+    flipped = weights.clone()
+    flipped.view(torch.int32)[7] ^= 1  # one flipped low mantissa bit
+    assert checksum(weights) != checksum(flipped) and checksum(weights) == checksum(weights.clone())
