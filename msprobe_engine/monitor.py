@@ -224,7 +224,7 @@ class Monitor(StepLifecycle):
         """A training scalar (a tensor or a number) as the `train/<name>` row of this step."""
         if not self.active or value is None:
             return
-        with self.guard(f"report {name}"):
+        with self.guard(f"report_{name}"):
             if not hasattr(value, "shape"):
                 value = float(value)
                 if self.backend is None:  # no framework seen yet: the number is measured on the host
