@@ -232,15 +232,28 @@ class Monitor(StepLifecycle):
 
     def report_loss(self, loss: Any) -> None:
         """Tell the monitor this step's loss (a tensor or a number), before or after the step."""
-        if not self.active or loss is None:
+        self._report_train("loss", loss)
+
+    def report_grad_norm(self, value: Any, max_norm: float | None = None) -> None:
+        """Tell the monitor the global gradient norm the training computed (`clip_grad_norm_`'s
+        return, DeepSpeed's or Megatron's), before the optimizer step; `max_norm`: the clipping
+        threshold, when the gradients were clipped to it. The `misreported_grad_norm` rule
+        compares it with the monitor's own merged `grad/global/norm`."""
+        self._report_train("reported_grad_norm", value)
+        if max_norm is not None:
+            self._report_train("grad_clip_max_norm", max_norm)
+
+    def _report_train(self, name: str, value: Any) -> None:
+        """A training scalar (a tensor or a number) as the `train/<name>` row of this step."""
+        if not self.active or value is None:
             return
-        with self.guard("report_loss"):
-            if not hasattr(loss, "shape"):
-                loss = float(loss)
+        with self.guard(f"report_{name}"):
+            if not hasattr(value, "shape"):
+                value = float(value)
                 if self.backend is None:  # no framework seen yet: the number is measured on the host
-                    self._find_backend(loss)
-                loss = self.backend.scalar(loss)
-            self.add_tensors([MetricKey("train", "loss")], [loss])
+                    self._find_backend(value)
+                value = self.backend.scalar(value)
+            self.add_tensors([MetricKey("train", name)], [value])
 
     def _find_backend(self, tensor: Any) -> None:
         """No backend was given: take the one of the framework `tensor` belongs to (numbers and

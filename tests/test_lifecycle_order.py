@@ -121,13 +121,61 @@ def megatron_run(rank: int, world: int, out: str, action: str) -> tuple[str, boo
     return letters(calls), unchanged
 
 
+def fsdp2_run(rank: int, world: int, out: str, action: str) -> tuple[str, bool | None]:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from msprobe_engine import TrainingStopped
+    from msprobe_engine.frameworks.torch.fsdp import local_tensor
+    from msprobe_integrations.torch import TorchMonitor
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    poison = {"on": False}
+    _nan_after(model[1], poison)
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    monitor = TorchMonitor(model, opt, config(Path(out), action))
+    calls = record(monitor.monitor)
+    unchanged = None
+    try:
+        for step in range(STEPS):
+            poison["on"] = step == BAD_STEP
+            before = [local_tensor(p).detach().clone() for p in model.parameters()]
+            for _ in range(MICRO):
+                model(torch.randn(3, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            monitor.step_end()
+            if step == BAD_STEP:
+                unchanged = all(torch.equal(b, local_tensor(p)) for b, p in zip(before, model.parameters()))
+    except TrainingStopped:
+        pass
+    monitor.close()
+    dist.destroy_process_group()
+    return letters(calls), unchanged
+
+
 def _in_a_rank(fn: Any) -> Any:
     def run(out: Path, action: str) -> tuple[str, bool | None]:
         return run_ranks(fn, 1, str(out), action, timeout=240, env={"DS_ACCELERATOR": "cpu"})[0]
     return run
 
 
-RUNNERS = {"torch": torch_run, "deepspeed": _in_a_rank(deepspeed_run), "megatron": _in_a_rank(megatron_run)}
+def _on_two_ranks(fn: Any) -> Any:
+    def run(out: Path, action: str) -> tuple[str, bool | None]:
+        return run_ranks(fn, 2, str(out), action, timeout=240)[0]
+    return run
+
+
+RUNNERS = {"torch": torch_run, "deepspeed": _in_a_rank(deepspeed_run), "megatron": _in_a_rank(megatron_run),
+           "fsdp2": _on_two_ranks(fsdp2_run)}
 
 
 @pytest.mark.slow

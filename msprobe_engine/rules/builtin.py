@@ -1,2 +1,2 @@
 """The built-in rules, one file each (importing this module registers them)."""
-from msprobe_engine.rules import non_finite, spike, trend  # noqa: F401
+from msprobe_engine.rules import misreported_grad_norm, non_finite, replica_drift, spike, trend  # noqa: F401

@@ -1,0 +1,246 @@
+"""TorchMonitor under PyTorch's own data parallelism, on CPU with gloo.
+
+The layout invariance test trains the same float64 model on the same batch on 1 rank, with
+DDP on 2 ranks, FSDP2 on 2 ranks and HSDP on a 2x2 mesh (4 ranks): at step 0 every
+statistic (per-parameter gradients, parameters, AdamW moments, activations, the loss and the
+global grad norm) must equal the single-process one within 1e-6 relative, with the same tags.
+The same runs also check the `misreported_grad_norm` rule (a loop that reports the norm of
+its local shards at step 1) and the `replica_drift` rule (one replica's weight perturbed after
+step 0); the 2-rank run also wraps the model in FSDP1 and in a custom wrapper, which the
+monitor does not understand: a warning, nothing merged.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.multiproc import run_ranks
+
+BATCH, STEPS = 8, 2
+
+
+def _model():
+    import torch
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2)).double()
+
+
+def _config(out: str) -> dict:
+    return {"output_dir": out, "strict": True, "sinks": [], "incidents": {"enabled": False},
+            "watch": {"params": True, "optimizer_state": ["exp_avg", "exp_avg_sq"]},
+            "alerts": [{"rule": "misreported_grad_norm"}, {"rule": "replica_drift", "every": 1, "bucket_numel": 1}]}
+
+
+def _local_shard_norm(model):
+    """The classic bug: the norm of this rank's shards only (no reduction over the ranks)."""
+    import torch
+    from msprobe_engine.frameworks.torch.fsdp import local_tensor
+    return torch.linalg.vector_norm(torch.stack([local_tensor(p.grad).norm() for p in model.parameters()]))
+
+
+def _full_grad_norms(model) -> dict:
+    """Each parameter's gradient norm from the whole gradient (gathered: the independent truth)."""
+    return {name: float(getattr(p.grad, "full_tensor", lambda: p.grad)().norm())
+            for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _train(model, out: str, rank: int, dp: int, misreport: bool = False, perturb: str = "", micro: int = 1) -> dict:
+    """Two steps on this rank's slice of a fixed batch (in `micro` micro-batches); rank 0's
+    records and alerts."""
+    import torch
+    from msprobe_engine.frameworks.torch.fsdp import local_tensor
+    from msprobe_integrations.torch import TorchMonitor
+
+    gen = torch.Generator().manual_seed(1)
+    data, target = (torch.randn(BATCH, 4, generator=gen, dtype=torch.float64),
+                    torch.randn(BATCH, 2, generator=gen, dtype=torch.float64))
+    part = slice(rank * BATCH // dp, (rank + 1) * BATCH // dp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    monitor = TorchMonitor(model, opt, _config(out))
+    dtype = next(model.parameters()).dtype
+    data, target = data.to(dtype), target.to(dtype)
+    truth = {}
+    for step in range(STEPS):
+        for i, (x, y) in enumerate(zip(data[part].chunk(micro), target[part].chunk(micro))):
+            if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: reduce-scatter on the last one
+                model.set_requires_gradient_sync(i == micro - 1)
+            loss = (model(x) - y).pow(2).mean() / micro
+            loss.backward()
+        truth = truth or _full_grad_norms(monitor.wrapping.inner)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=100.0)
+        monitor.report_grad_norm(_local_shard_norm(model) if misreport and step == 1 else norm, max_norm=100.0)
+        opt.step()
+        opt.zero_grad()
+        monitor.step_end(loss.detach())
+        if step == 0 and perturb:  # this rank's copy only (a DTensor op would be a collective)
+            with torch.no_grad():
+                local_tensor(dict(monitor.wrapping.inner.named_parameters())[perturb]).view(-1)[0] += 1e-3
+    monitor.close()
+    return {"metrics": [r.metrics for r in monitor.history], "transfers": monitor.transfers, "truth": truth,
+            "alerts": [(e.rule, e.step, e.tag, e.also) for e in monitor.alert_log if e.phase == "start"],
+            "warnings": sorted(monitor._warned), "reducer": type(monitor.reducer).__name__}
+
+
+def _two_ranks(rank: int, world: int, out: str) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecisionPolicy, fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo")
+    results = {"ddp": _train(DistributedDataParallel(_model()), f"{out}/ddp", rank, world,
+                             perturb="2.weight" if rank == 1 else "")}
+    model = _model()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh)
+    results["fsdp2"] = _train(model, f"{out}/fsdp2", rank, world, misreport=True)
+    model = _model().float()  # bf16 compute, fp32 shards and reduce-scatter, 2 micro-batches
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    results["fsdp2_mp"] = _train(model, f"{out}/fsdp2_mp", rank, world, micro=2)
+
+    class Wrapper(torch.nn.Module):  # a wrapper the monitor does not know
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x)
+
+    results["custom"] = _train(Wrapper(_model()), f"{out}/custom", rank, world)
+    results["fsdp1"] = _train(FullyShardedDataParallel(_model(), device_id=torch.device("cpu")), f"{out}/fsdp1",
+                              rank, world)
+    dist.destroy_process_group()
+    return results
+
+
+def _hsdp(rank: int, world: int, out: str) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    model = _model()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh)
+    # rank 3 holds the same shards as rank 1 (coordinates (1, 1) and (0, 1)): perturb its copy
+    result = _train(model, out, rank, world, perturb="0.bias" if rank == 3 else "")
+    dist.destroy_process_group()
+    return result
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("torch_distributed")
+    two = run_ranks(_two_ranks, 2, str(out / "two"), timeout=240)
+    return {"single": _train(_model(), str(out / "single"), 0, 1), **two[0],
+            "hsdp": run_ranks(_hsdp, 4, str(out / "hsdp"), timeout=240)[0]}
+
+
+def _close(a: float, b: float) -> bool:
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return abs(a - b) <= 1e-6 * max(abs(a), abs(b)) or abs(a - b) < 1e-12
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["ddp", "fsdp2", "hsdp"])
+def test_statistics_equal_the_single_process_ones(runs, layout):
+    reference, got = runs["single"]["metrics"][0], runs[layout]["metrics"][0]
+    assert set(got) == set(reference)
+    assert {t.split("/")[0] for t in got} >= {"grad", "param", "optim", "actv", "train"}
+    timings = {t for t in reference if t.endswith("_ms")}  # the monitor's host time (Health/monitor_ms)
+    wrong = {t: (got[t], reference[t]) for t in set(reference) - timings if not _close(got[t], reference[t])}
+    assert not wrong, wrong
+    assert runs[layout]["reducer"] == "DataParallelMerge"
+    assert runs[layout]["transfers"] == STEPS  # one packed transfer (one collective) per step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["single", "ddp", "fsdp2", "fsdp2_mp", "hsdp"])
+def test_gradient_norms_equal_those_of_the_gathered_gradients(runs, layout):
+    """Merged from shards (or taken once from copies), each gradient's norm is the full one's."""
+    metrics, truth = runs[layout]["metrics"][0], runs[layout]["truth"]
+    assert len(truth) == 4
+    wrong = {n: (metrics[f"grad/{n}/norm"], v) for n, v in truth.items() if not _close(metrics[f"grad/{n}/norm"], v)}
+    assert not wrong, wrong
+    if layout == "fsdp2_mp":  # and clip_grad_norm_'s norm of bf16-computed grads is the merged one
+        assert not runs[layout]["alerts"] and runs[layout]["metrics"][0]["train/reported_grad_norm"] > 0
+
+
+@pytest.mark.slow
+def test_fsdp2_gradients_are_sharded_yet_merged(runs):
+    """The local shard norm differs from the merged one: the merge is what makes them equal."""
+    metrics = runs["fsdp2"]["metrics"][1]
+    assert metrics["train/reported_grad_norm"] < 0.9 * metrics["grad/global/norm"]
+
+
+@pytest.mark.slow
+def test_a_loop_reporting_its_local_shard_norm_is_caught(runs):
+    assert [(rule, step) for rule, step, *_ in runs["fsdp2"]["alerts"]] == [("misreported_grad_norm", 1)]
+    for layout in ("single", "ddp", "hsdp"):  # clip_grad_norm_'s own return is the true norm
+        assert not [a for a in runs[layout]["alerts"] if a[0] == "misreported_grad_norm"], layout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, rank, param", [("ddp", 1, "2.weight"), ("hsdp", 3, "0.bias")])
+def test_a_perturbed_replica_raises_an_alert_naming_it(runs, layout, rank, param):
+    drift = [a for a in runs[layout]["alerts"] if a[0] == "replica_drift"]
+    assert drift == [("replica_drift", 1, f"train/replica_drift/rank{rank}/{param}", ())]
+    assert not [a for a in runs["fsdp2"]["alerts"] if a[0] == "replica_drift"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, named", [("custom", "test_torch_distributed.Wrapper"),
+                                           ("fsdp1", "FullyShardedDataParallel (FSDP1) at the root")])
+def test_an_unknown_wrapper_is_warned_about_and_not_merged(runs, layout, named):
+    result = runs[layout]
+    assert result["reducer"] == "NoneType"
+    warning = next(w for w in result["warnings"] if "NOTHING is merged" in w)
+    assert named in warning and "rank 0's own local numbers" in warning
+    # rank 0's own half batch: its loss differs from the whole batch's
+    assert result["metrics"][0]["train/loss"] != runs["single"]["metrics"][0]["train/loss"]
+
+
+def test_single_process_without_distributed_has_no_reducer(tmp_path):
+    result = _train(_model(), str(tmp_path), 0, 1)
+    assert result["reducer"] == "NoneType"
+    assert any("no replicas to compare" in w for w in result["warnings"])
+    assert not result["alerts"]
+
+
+def test_the_misreported_norm_rule_allows_for_clipping():
+    import numpy as np
+    from msprobe_engine.rules.misreported_grad_norm import MisreportedGradNormRule
+    from msprobe_engine.stats.table import StatTable
+
+    rule = MisreportedGradNormRule(MisreportedGradNormRule.Config(rule="misreported_grad_norm"))
+    table = StatTable([], np.zeros((0, 8)))
+    clipped = {"grad/global/norm": 1.0, "train/reported_grad_norm": 7.0, "train/grad_clip_max_norm": 1.0}
+    assert rule.evaluate(table, {}, clipped) == []
+    assert rule.evaluate(table, {}, {"grad/global/norm": 1.0, "train/reported_grad_norm": 7.0})
+    low = rule.evaluate(table, {}, {**clipped, "train/reported_grad_norm": 0.5})
+    assert [(f.value, f.threshold) for f in low] == [(0.5, 1.0)]
+
+
+def test_drift_is_named_against_the_majority_of_the_replicas():
+    import torch
+    from msprobe_engine.frameworks.torch.replica_drift import checksum, drifting
+
+    hashes = torch.tensor([[1, 2], [1, 3], [1, 2]])
+    assert drifting(hashes, [()] * 3) == {1: [1]}
+    assert drifting(torch.tensor([[5], [6]]), [()] * 2) == {1: [0]}  # a tie: the lowest rank's value
+    # HSDP 2x2: ranks 0/2 and 1/3 hold the same shards; rank 0 and 1 differ from each other legitimately
+    assert drifting(torch.tensor([[1], [9], [1], [8]]), [(0,), (1,), (0,), (1,)]) == {3: [0]}
+    weights = torch.randn(64)
+    flipped = weights.clone()
+    flipped.view(torch.int32)[7] ^= 1  # one flipped low mantissa bit
+    assert checksum(weights) != checksum(flipped) and checksum(weights) == checksum(weights.clone())
