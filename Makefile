@@ -20,8 +20,10 @@ test: $(VENV)/.all
 test-fast: $(VENV)/.all
 	$(PY) -m pytest -q -m "not slow"
 
+# bench/suite.py: monitor and dump overhead on models we did not write, next to the predecessor;
+# `make bench BENCH_ARGS=--quick` for a short correctness run
 bench: $(VENV)/.all
-	$(PY) bench/overhead.py
+	$(PY) bench/suite.py $(BENCH_ARGS)
 	@for b in bench/dump.py bench/compare.py bench/deepspeed_overhead.py bench/megatron_overhead.py bench/mindspore_overhead.py; do \
 		if [ -f $$b ]; then echo "== $$b"; $(PY) $$b || exit 1; fi; done
 
