@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from msprobe_engine.frameworks.torch.backend import SMALL_NUMEL, partial_stats
+from msprobe_engine.frameworks.torch.backend import FOREACH_NUMEL, SMALL_NUMEL, partial_stats
 from msprobe_engine.stats import finalize, merge, reference_partial
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-SIZES = [1, 7, 1000, SMALL_NUMEL + 1, 300_000]
+SIZES = [1, 7, 1000, SMALL_NUMEL + 1, FOREACH_NUMEL, FOREACH_NUMEL + 1, 300_000]  # every path and its edges
 
 
 def reference(t: torch.Tensor) -> np.ndarray:
@@ -42,7 +42,7 @@ def test_random_tensors_of_every_size(dtype):
     assert_matches(partial_stats(tensors, count_zeros=True).numpy(), tensors)
 
 
-@pytest.mark.parametrize("size", [5, 100_000])
+@pytest.mark.parametrize("size", [5, FOREACH_NUMEL, 100_000])
 def test_non_finite_values_propagate_and_are_counted(size):
     x = torch.randn(size)
     with_nan, with_inf, with_both = x.clone(), x.clone(), x.clone()
@@ -127,3 +127,11 @@ def test_deferred_blocks_of_mixed_dtypes_pack_together_and_ignore_later_in_place
     rows = concat([first, second]).numpy()
     assert_matches(rows[:5], expected)
     np.testing.assert_array_equal(rows[5], rows[4])
+
+
+def test_a_tensor_given_twice_on_the_multi_tensor_path_repeats_its_row():
+    x, y = torch.randn(SMALL_NUMEL * 2), torch.randn(FOREACH_NUMEL).to(torch.bfloat16)
+    rows = partial_stats([x, y, x, torch.randn(3), y], count_zeros=True).numpy()
+    assert_matches(rows, [x, y, x])
+    np.testing.assert_array_equal(rows[2], rows[0])
+    np.testing.assert_array_equal(rows[4], rows[1])

@@ -1,17 +1,24 @@
 """Batched partial statistics of many torch tensors, on their own device.
 
-Small tensors are grouped by size class (lengths within a factor of two) and dtype,
-padded into one matrix per class and reduced along its rows: about a dozen
-kernel launches per class for all of them. Large tensors (and small ones
-without enough company) are reduced one by one with torch's vectorised
-reductions, whose per-call overhead is small next to their size; each leaves
-a few results (0-dim min/max, sum and counts, and the vector of its chunk
-norms) that are packed into rows by a dozen batched ops, the chunk norms of
-all tensors squared and summed per tensor in float64 by one segmented sum.
-Floating-point tensors are accumulated in float32 (bf16/fp16/fp32; the sum of
-squares per chunk of NORM_CHUNK elements, the chunks in float64) or float64
-(float64); large tensors are never copied to float64. Small ones and
-integer/bool tensors are converted to float64.
+Three paths, by length:
+
+- small tensors (up to SMALL_NUMEL elements) are grouped by size class (lengths within a
+  factor of two) and dtype, padded into one float64 matrix per class and reduced along its
+  rows: about a dozen kernel launches per class for all of them;
+- mid-size tensors (up to FOREACH_NUMEL) are grouped by dtype and device and reduced by
+  multi-tensor kernels: one `_foreach_max` and one `_foreach_norm` (float32 accumulation,
+  the whole tensor: relative error below 1e-6 at this length) for the whole group, one min
+  and one sum per tensor, and one stacked finiteness check instead of one per tensor;
+- large tensors are reduced one by one with torch's vectorised reductions, whose per-call
+  overhead is small next to their size: min and max (two passes for float32, where that is
+  faster than `aminmax`), sum, and the vector of their chunk norms.
+
+Each leaves a few results (0-dim min/max, sum and counts, and a vector of chunk norms) that
+are packed into rows by a dozen batched ops, the chunk norms of all tensors squared and
+summed per tensor in float64 by one segmented sum. Floating-point tensors are accumulated
+in float32 (bf16/fp16/fp32; the sum of squares of a large tensor per chunk of NORM_CHUNK
+elements, the chunks in float64) or float64 (float64); mid-size and large tensors are never
+copied to float64. Small ones and integer/bool tensors are converted to float64.
 
 (`torch.var_mean` per chunk would give sum and sum of squares in one pass, but
 on CPU it is a scalar Welford loop, 20-35 times slower than sum plus norm.)
@@ -40,6 +47,10 @@ from torch.nn.utils.rnn import pad_sequence
 #: Tensors up to this many elements are batched by size class into padded matrices
 #: (measured on CPU: above ~2k elements three vectorised reductions per tensor are cheaper).
 SMALL_NUMEL = 2048
+#: Tensors above SMALL_NUMEL and up to this many elements are reduced by multi-tensor kernels,
+#: a group of one dtype and device at a time (the whole tensor's sum of squares in float32:
+#: measured relative error 5.7e-7 at this length, 1.3e-6 at twice it).
+FOREACH_NUMEL = 65536
 #: Large tensors' squares are summed in float32 per chunk of this many elements,
 #: and the chunk sums in float64 (relative error about 1e-7 instead of 1e-4).
 NORM_CHUNK = 4096
@@ -106,29 +117,40 @@ def partial_stats(tensors: Sequence[torch.Tensor], count_zeros: bool = False, de
     """
     device = tensors[0].device if tensors else torch.device("cpu")
     pending = Pending(len(tensors), device)
-    groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
-    reduced: dict[int, int] = {}  # id of a tensor given more than once (x, x, x) -> its first row
-    for pos, tensor in enumerate(tensors):
-        flat = tensor.detach().reshape(-1)
-        numel = flat.numel()
-        if numel > SMALL_NUMEL:
-            first = reduced.setdefault(id(tensor), len(pending.positions))
-            if first < len(pending.positions):
-                _repeat(pending, pos, pending, first)
+    small: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
+    mid: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
+    first_pos: dict[int, int] = {}  # id of a tensor given more than once (x, x, x) -> its first position
+    repeats: list[tuple[int, int]] = []
+    with torch.no_grad():
+        for pos, tensor in enumerate(tensors):
+            numel = tensor.numel()
+            if numel > SMALL_NUMEL:
+                first = first_pos.setdefault(id(tensor), pos)
+                if first != pos:
+                    repeats.append((pos, first))
+                elif numel <= FOREACH_NUMEL and tensor.is_floating_point():
+                    mid.setdefault((tensor.dtype, tensor.device), []).append((pos, tensor))
+                else:
+                    _reduce(pending, pos, tensor.reshape(-1), count_zeros)
             else:
-                _reduce(pending, pos, flat, count_zeros)
-        else:
-            key = ("empty",) if numel == 0 else ("small", numel.bit_length(), flat.dtype, flat.device)
-            groups.setdefault(key, []).append((pos, flat))
-    for key, members in groups.items():
-        positions = [pos for pos, _ in members]
-        if key[0] == "empty":
-            pending.blocks.append((positions, _empty_rows(len(members), device)))
-        elif len(members) >= MIN_BATCH:
-            pending.blocks.append((positions, _small_rows([flat for _, flat in members], count_zeros)))
-        else:
-            for pos, flat in members:
-                _reduce(pending, pos, flat, count_zeros)
+                flat = tensor.reshape(-1)
+                key = ("empty",) if numel == 0 else ("small", numel.bit_length(), flat.dtype, flat.device)
+                small.setdefault(key, []).append((pos, flat))
+        for members in mid.values():
+            _reduce_group(pending, [pos for pos, _ in members], [t for _, t in members], count_zeros)
+        for key, members in small.items():
+            positions = [pos for pos, _ in members]
+            if key[0] == "empty":
+                pending.blocks.append((positions, _empty_rows(len(members), device)))
+            elif len(members) >= MIN_BATCH:
+                pending.blocks.append((positions, _small_rows([flat for _, flat in members], count_zeros)))
+            else:
+                for pos, flat in members:
+                    _reduce(pending, pos, flat, count_zeros)
+        if repeats:
+            index = {pos: i for i, pos in enumerate(pending.positions)}
+            for pos, first in repeats:
+                _repeat(pending, pos, pending, index[first])
     return pending if deferred else concat([pending])
 
 
@@ -146,10 +168,40 @@ def _reduce(pending: Pending, pos: int, flat: torch.Tensor, count_zeros: bool) -
         pending.counts += [zero, zero]
     pending.counts.append(torch.count_nonzero(flat) if count_zeros else not_taken)
     pending.positions.append(pos)
-    pending.extremes += torch.aminmax(flat)
+    if flat.dtype == torch.float32 and flat.numel() > FOREACH_NUMEL:
+        pending.extremes += [flat.amin(), flat.amax()]  # two passes beat aminmax on long float32
+    else:
+        pending.extremes += torch.aminmax(flat)
     pending.sums.append(total)
     pending.chunk_norms.append(_chunk_norms(flat, acc))
     pending.numels.append(float(flat.numel()))
+
+
+def _reduce_group(pending: Pending, positions: list[int], group: list[torch.Tensor], count_zeros: bool) -> None:
+    """The multi-tensor path, for floating-point tensors of one dtype and device: one max and
+    one norm kernel for the group, a min and a sum per tensor (no multi-tensor kernel for them;
+    the max of a negated copy costs twice the mins on CPU), counts only where needed."""
+    acc = torch.float32 if group[0].dtype in _LOW_PRECISION else torch.float64
+    highs = torch._foreach_max(group)
+    lows = [t.amin() for t in group]
+    norms = torch.stack(torch._foreach_norm(group, 2, dtype=acc)).to(torch.float64).split(1)
+    sums = [t.sum(dtype=acc) for t in group]
+    zero, not_taken = _constants(group[0].device)
+    if group[0].device.type == "cpu":
+        finite = torch.stack(sums).isfinite().tolist()  # one read for the group (no device queue on CPU)
+    else:
+        finite = [False] * len(group)
+    for t, is_finite in zip(group, finite):
+        if is_finite:
+            pending.counts += [zero, zero]
+        else:
+            pending.counts += [torch.isnan(t).sum(), torch.isinf(t).sum()]
+        pending.counts.append(torch.count_nonzero(t) if count_zeros else not_taken)
+    pending.extremes += [value for pair in zip(lows, highs) for value in pair]
+    pending.sums += sums
+    pending.chunk_norms += norms
+    pending.numels += [float(t.numel()) for t in group]
+    pending.positions += positions
 
 
 def _repeat(pending: Pending, pos: int, source: Pending, first: int) -> None:
