@@ -129,9 +129,17 @@ def test_deferred_blocks_of_mixed_dtypes_pack_together_and_ignore_later_in_place
     np.testing.assert_array_equal(rows[5], rows[4])
 
 
-def test_a_tensor_given_twice_on_the_multi_tensor_path_repeats_its_row():
-    x, y = torch.randn(SMALL_NUMEL * 2), torch.randn(FOREACH_NUMEL).to(torch.bfloat16)
-    rows = partial_stats([x, y, x, torch.randn(3), y], count_zeros=True).numpy()
-    assert_matches(rows, [x, y, x])
-    np.testing.assert_array_equal(rows[2], rows[0])
-    np.testing.assert_array_equal(rows[4], rows[1])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mid_size_tensors_on_the_multi_tensor_path_are_exact_and_repeat_their_rows(dtype):
+    gen = torch.Generator().manual_seed(2)
+    sizes = [SMALL_NUMEL + 1, 5000, 20_000, 33_333, FOREACH_NUMEL]
+    tensors = [(torch.randn(n, generator=gen) * 2 - 0.3).to(dtype) for n in sizes]
+    tensors[1][7] = float("nan")
+    tensors[2][0], tensors[2][-1] = float("inf"), 0.0
+    tensors[3][::3] = 0.0
+    given = [*tensors, torch.randn(3), tensors[2]]
+    rows = partial_stats(given, count_zeros=True).numpy()
+    assert_matches(rows, tensors)
+    np.testing.assert_array_equal(rows[6], rows[2])
+    stats = finalize(rows)
+    assert stats["nan_count"][1] == 1 and stats["inf_count"][2] == 1 and stats["zero_frac"][3] >= 1 / 3

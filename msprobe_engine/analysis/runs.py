@@ -1,6 +1,6 @@
 """Compare two monitor runs (``<output_dir>/rank<R>/metrics.jsonl``) and find where they diverge.
 
-Records align by rank, step and tag. Two values differ when their relative difference
+Records align by rank, step and tag (the monitor's own cost, ``monitor/*``, is left out). Two values differ when their relative difference
 |b - a| / max(|a|, |b|) exceeds ``rtol`` and |b - a| exceeds ``atol``, or when their nan/inf
 classes differ (nan vs a number, +inf vs -inf; nan vs nan is equal). The first divergence
 is the earliest step; within it, the first tag in the record's (execution) order; ties
@@ -21,6 +21,8 @@ JSONL_NAME = "metrics.jsonl"
 _RANK_RE = re.compile(r"^rank(\d+)$")
 RTOL = 1e-3
 ATOL = 0.0
+#: tags of the monitor's own cost (`monitor/overhead_ms`, ...): they differ from run to run, not compared
+SELF_METERING = "monitor/"
 
 Records = dict[int, dict[str, float]]  # step -> {tag: value}, tags in record order
 
@@ -58,7 +60,8 @@ def read_records(file: Path, problems: list[str]) -> Records:
                 step, metrics = obj["step"], obj["metrics"]
                 if not isinstance(step, int) or not isinstance(metrics, dict):
                     raise TypeError("'step' must be an integer and 'metrics' an object")
-                records[step] = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+                records[step] = {k: float(v) for k, v in metrics.items()
+                                 if isinstance(v, (int, float)) and not k.startswith(SELF_METERING)}
             except (ValueError, KeyError, TypeError) as e:
                 problems.append(f"{file}:{lineno}: skipped: {e!s}")
     return records

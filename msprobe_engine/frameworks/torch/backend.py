@@ -5,10 +5,11 @@ Three paths, by length:
 - small tensors (up to SMALL_NUMEL elements) are grouped by size class (lengths within a
   factor of two) and dtype, padded into one float64 matrix per class and reduced along its
   rows: about a dozen kernel launches per class for all of them;
-- mid-size tensors (up to FOREACH_NUMEL) are grouped by dtype and device and reduced by
-  multi-tensor kernels: one `_foreach_max` and one `_foreach_norm` (float32 accumulation,
-  the whole tensor: relative error below 1e-6 at this length) for the whole group, one min
-  and one sum per tensor, and one stacked finiteness check instead of one per tensor;
+- mid-size tensors (up to FOREACH_NUMEL) are grouped by dtype and device and, in groups of
+  MIN_BATCH or more, reduced by multi-tensor kernels: one `_foreach_max` and one
+  `_foreach_norm` (float32 accumulation, the whole tensor: relative error below 1e-6 at this
+  length) for the whole group, one min and one sum per tensor, and one stacked finiteness
+  check instead of one per tensor;
 - large tensors are reduced one by one with torch's vectorised reductions, whose per-call
   overhead is small next to their size: min and max (two passes for float32, where that is
   faster than `aminmax`), sum, and the vector of their chunk norms.
@@ -39,7 +40,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Sequence, Union
+from typing import Any, Sequence, Union
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -55,8 +56,9 @@ FOREACH_NUMEL = 65536
 #: and the chunk sums in float64 (relative error about 1e-7 instead of 1e-4).
 NORM_CHUNK = 4096
 
-#: A size class of small tensors is padded into one matrix only when it has this many
-#: members; fewer go through the per-tensor path (cheaper below that).
+#: A size class of small tensors is padded into one matrix, and a group of mid-size tensors
+#: reduced by multi-tensor kernels, only when it has this many members; fewer go through the
+#: per-tensor path (cheaper below that).
 MIN_BATCH = 4
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16, torch.float32)
@@ -137,7 +139,11 @@ def partial_stats(tensors: Sequence[torch.Tensor], count_zeros: bool = False, de
                 key = ("empty",) if numel == 0 else ("small", numel.bit_length(), flat.dtype, flat.device)
                 small.setdefault(key, []).append((pos, flat))
         for members in mid.values():
-            _reduce_group(pending, [pos for pos, _ in members], [t for _, t in members], count_zeros)
+            if len(members) >= MIN_BATCH:
+                _reduce_group(pending, [pos for pos, _ in members], [t for _, t in members], count_zeros)
+            else:  # a hook's one or two tensors: fewer kernels one by one
+                for pos, tensor in members:
+                    _reduce(pending, pos, tensor.reshape(-1), count_zeros)
         for key, members in small.items():
             positions = [pos for pos, _ in members]
             if key[0] == "empty":
@@ -184,7 +190,7 @@ def _reduce_group(pending: Pending, positions: list[int], group: list[torch.Tens
     acc = torch.float32 if group[0].dtype in _LOW_PRECISION else torch.float64
     highs = torch._foreach_max(group)
     lows = [t.amin() for t in group]
-    norms = torch.stack(torch._foreach_norm(group, 2, dtype=acc)).to(torch.float64).split(1)
+    norms = torch.stack(torch._foreach_norm(group, 2, dtype=acc)).to(torch.float64).view(-1, 1).unbind()
     sums = [t.sum(dtype=acc) for t in group]
     zero, not_taken = _constants(group[0].device)
     if group[0].device.type == "cpu":
@@ -297,6 +303,41 @@ def _stack_f64(values: list[torch.Tensor]) -> torch.Tensor:
 def to_host(rows: torch.Tensor):
     """The single device-to-host copy of a step's packed statistics (numpy float64)."""
     return rows.detach().to("cpu", torch.float64).numpy()
+
+
+class HostCopy:
+    """A device-to-host copy of packed rows started without waiting: into a pinned host
+    buffer with ``non_blocking=True`` and an event recorded after it, on an accelerator;
+    a plain copy on CPU (nothing to wait for, the path is the same)."""
+    __slots__ = ("buffer", "event")
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        rows = rows.detach().to(torch.float64)
+        if rows.device.type == "cpu":
+            self.buffer, self.event = rows.clone(), None
+        else:
+            self.buffer = torch.empty(rows.shape, dtype=torch.float64, pin_memory=True)
+            self.buffer.copy_(rows, non_blocking=True)
+            self.event = torch.Event(device=rows.device)
+            self.event.record()
+
+    def result(self) -> tuple[Any, bool]:
+        """The rows (numpy float64), and whether the host had to wait for the copy (read a step
+        later, it is long done: no wait)."""
+        waited = self.event is not None and not self.event.query()
+        if waited:
+            self.event.synchronize()
+        return self.buffer.numpy(), waited
+
+
+def start_copy(rows: torch.Tensor) -> HostCopy:
+    """Start the step's device-to-host copy without blocking; `HostCopy.result()` reads it."""
+    return HostCopy(rows)
+
+
+def on_accelerator(rows: torch.Tensor) -> bool:
+    """Whether `rows` live on a device the host would wait for (not the CPU)."""
+    return rows.device.type != "cpu"
 
 
 def concat(rows: Sequence[Rows]) -> torch.Tensor:
