@@ -143,3 +143,12 @@ def test_mid_size_tensors_on_the_multi_tensor_path_are_exact_and_repeat_their_ro
     np.testing.assert_array_equal(rows[6], rows[2])
     stats = finalize(rows)
     assert stats["nan_count"][1] == 1 and stats["inf_count"][2] == 1 and stats["zero_frac"][3] >= 1 / 3
+
+
+def test_tensors_of_one_sign_have_no_zeros_without_counting_them():
+    gen = torch.Generator().manual_seed(3)
+    tensors = [torch.rand(n, generator=gen) + 0.1 for n in (5000, 6000, 7000, 100_000)]
+    tensors += [-t for t in tensors] + [torch.rand(5000, generator=gen) * (torch.arange(5000) % 2)]
+    rows = partial_stats(tensors, count_zeros=True).numpy()
+    assert_matches(rows, tensors)
+    assert (finalize(rows)["zero_frac"][:8] == 0).all() and finalize(rows)["zero_frac"][8] == 0.5

@@ -34,7 +34,8 @@ nan/inf counting costs two extra passes over the data. On CPU tensors, where
 reading a scalar stalls no device queue, the counts are taken only when the
 sum is not finite (a finite sum proves there is no nan or inf); on
 accelerators they are always counted on the device, with no host
-synchronisation. The zero count (for `zero_frac`) is only taken on request.
+synchronisation. The zero count (for `zero_frac`) is only taken on request (on CPU not for a
+tensor whose values all have one sign: it has no zero).
 """
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ MIN_BATCH = 4
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16, torch.float32)
 _UNKNOWN = float("nan")
+NOT_TAKEN, NO_ZEROS = -1, -2  # nonzero counts that are not counts (see `_constants`)
 
 
 class Pending:
@@ -167,17 +169,24 @@ def _reduce(pending: Pending, pos: int, flat: torch.Tensor, count_zeros: bool) -
         flat = flat.to(torch.float64)
     acc = torch.float32 if flat.dtype in _LOW_PRECISION else torch.float64
     total = flat.sum(dtype=acc)
-    zero, not_taken = _constants(flat.device)
-    if flat.device.type != "cpu" or not math.isfinite(total):
+    zero, not_taken, no_zeros = _constants(flat.device)
+    on_cpu = flat.device.type == "cpu"
+    if not on_cpu or not math.isfinite(total):
         pending.counts += [torch.isnan(flat).sum(), torch.isinf(flat).sum()]
     else:
         pending.counts += [zero, zero]
-    pending.counts.append(torch.count_nonzero(flat) if count_zeros else not_taken)
-    pending.positions.append(pos)
     if flat.dtype == torch.float32 and flat.numel() > FOREACH_NUMEL:
-        pending.extremes += [flat.amin(), flat.amax()]  # two passes beat aminmax on long float32
+        low, high = flat.amin(), flat.amax()  # two passes beat aminmax on long float32
     else:
-        pending.extremes += torch.aminmax(flat)
+        low, high = torch.aminmax(flat)
+    if not count_zeros:
+        pending.counts.append(not_taken)
+    elif on_cpu and (low > 0 or high < 0):  # no zero possible: not counted (CPU: a free read)
+        pending.counts.append(no_zeros)
+    else:
+        pending.counts.append(torch.count_nonzero(flat))
+    pending.positions.append(pos)
+    pending.extremes += [low, high]
     pending.sums.append(total)
     pending.chunk_norms.append(_chunk_norms(flat, acc))
     pending.numels.append(float(flat.numel()))
@@ -192,17 +201,21 @@ def _reduce_group(pending: Pending, positions: list[int], group: list[torch.Tens
     lows = [t.amin() for t in group]
     norms = torch.stack(torch._foreach_norm(group, 2, dtype=acc)).to(torch.float64).view(-1, 1).unbind()
     sums = [t.sum(dtype=acc) for t in group]
-    zero, not_taken = _constants(group[0].device)
-    if group[0].device.type == "cpu":
-        finite = torch.stack(sums).isfinite().tolist()  # one read for the group (no device queue on CPU)
+    zero, not_taken, no_zeros = _constants(group[0].device)
+    if group[0].device.type == "cpu":  # one read for the group (no device queue on CPU)
+        finite = torch.stack(sums).isfinite().tolist()
+        signed = ((torch.stack(lows) > 0) | (torch.stack(highs) < 0)).tolist() if count_zeros else finite
     else:
-        finite = [False] * len(group)
-    for t, is_finite in zip(group, finite):
+        finite = signed = [False] * len(group)
+    for t, is_finite, one_signed in zip(group, finite, signed):
         if is_finite:
             pending.counts += [zero, zero]
         else:
             pending.counts += [torch.isnan(t).sum(), torch.isinf(t).sum()]
-        pending.counts.append(torch.count_nonzero(t) if count_zeros else not_taken)
+        if not count_zeros:
+            pending.counts.append(not_taken)
+        else:  # all of one sign: no zero to count
+            pending.counts.append(no_zeros if one_signed else torch.count_nonzero(t))
     pending.extremes += [value for pair in zip(lows, highs) for value in pair]
     pending.sums += sums
     pending.chunk_norms += norms
@@ -221,10 +234,12 @@ def _repeat(pending: Pending, pos: int, source: Pending, first: int) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """0-dim int64 tensors on `device`: a zero count, and -1 for a count not taken."""
+def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """0-dim int64 tensors on `device`: a zero count; as a nonzero count, -1 for a count not
+    taken and -2 for a tensor known to hold no zero (all its values of one sign)."""
     return (torch.zeros((), dtype=torch.int64, device=device),
-            torch.full((), -1, dtype=torch.int64, device=device))
+            torch.full((), NOT_TAKEN, dtype=torch.int64, device=device),
+            torch.full((), NO_ZEROS, dtype=torch.int64, device=device))
 
 
 def _empty_rows(count: int, device: torch.device) -> torch.Tensor:
@@ -282,7 +297,7 @@ def _pack(pending: Pending) -> torch.Tensor:
     lengths = torch.tensor([len(c) for c in pending.chunk_norms], device=counts.device)
     sumsq = torch.segment_reduce(chunk_norms.square(), "sum", lengths=lengths)
     nonzero = counts[:, 2]
-    zeros = torch.where(nonzero < 0, _UNKNOWN, numel - nonzero)
+    zeros = torch.where(nonzero == NOT_TAKEN, _UNKNOWN, torch.where(nonzero == NO_ZEROS, 0.0, numel - nonzero))
     return torch.stack([low_high[:, 0], low_high[:, 1], _stack_f64(pending.sums),
                         sumsq, counts[:, 0], counts[:, 1], zeros, numel], dim=1)
 
