@@ -20,9 +20,13 @@ test: $(VENV)/.all
 test-fast: $(VENV)/.all
 	$(PY) -m pytest -q -m "not slow"
 
+# bench/suite.py: monitor and dump overhead on models we did not write, next to the predecessor;
+# `make bench BENCH_ARGS=--quick` for a short correctness run
 bench: $(VENV)/.all
-	$(PY) bench/overhead.py
-	@for b in bench/dump.py bench/compare.py bench/deepspeed_overhead.py bench/megatron_overhead.py bench/mindspore_overhead.py bench/precheck.py; do \
+	$(PY) bench/suite.py $(BENCH_ARGS)
+	@for b in bench/dump.py bench/compare.py bench/deepspeed_overhead.py bench/megatron_overhead.py \
+		bench/mindspore_overhead.py bench/mindspore_dump.py bench/precheck.py bench/tasks.py bench/graph.py \
+		bench/replica_drift.py bench/trainer_callbacks.py bench/tensorboard_charts.py; do \
 		if [ -f $$b ]; then echo "== $$b"; $(PY) $$b || exit 1; fi; done
 
 install: $(VENV)/.core

@@ -137,6 +137,15 @@ class Monitor(StepLifecycle):
         self.replay_host: ReplayHost | None = None
         self._step_call: StepCall | None = None
         self._replaying = False
+        # one-step-late reads and self-metering (see `_transfer` and `add_tensors`)
+        #: read a step's statistics one step late, from a host copy started at its end without
+        #: waiting (only when every rule's action is `continue` and no step runs through
+        #: `run_step`); None: when they live on an accelerator
+        self.read_late: bool | None = None
+        #: blocking device-to-host reads so far (at most one per monitored step)
+        self.host_syncs = 0
+        self._in_flight: tuple | None = None  # the copy left running: (keys, steps, meter rows, copy)
+        self._meter = [0.0, 0]  # seconds in add_tensors and tensors measured since the last transfer
         self._host_since = time.perf_counter()
         saved = self.run.saved_state()
         if saved is not None:
@@ -200,6 +209,7 @@ class Monitor(StepLifecycle):
                 return
         if self.backend is None:
             self._find_backend(tensors[0])
+        started = time.perf_counter()
         measured = [t for t, prior in zip(tensors, same) if prior is None] if same else tensors
         if not measured:
             rows = None
@@ -217,6 +227,8 @@ class Monitor(StepLifecycle):
             self._rows.update(zip(keys, zip(itertools.repeat(rows), itertools.count())))
         if self.incidents is not None:
             self.tensor_meta.update(zip(keys, map(_tensor_meta, tensors)))
+        self._meter[0] += time.perf_counter() - started
+        self._meter[1] += len(measured)
 
     def discard(self, kind: str) -> None:
         """Drop this step's not yet transferred statistics of `kind`, e.g. the gradients of a
@@ -370,9 +382,9 @@ class Monitor(StepLifecycle):
     def drain(self) -> None:
         """Emit the records still held back (early-decision mode keeps a step's record until
         the next transfer); call it after `step_end`, e.g. when the run is about to stop."""
-        if self._early or (self.decide_early and self._pending):
+        if self._early or (self.decide_early and self._pending) or self._in_flight is not None:
             with self.guard("drain"):
-                self._emit_late(self._transfer() if self._pending else {})
+                self._emit_late(self._transfer() if self._pending or self._in_flight is not None else {})
 
     def flush(self) -> None:
         """Wait until everything submitted so far is written."""
@@ -463,34 +475,82 @@ class Monitor(StepLifecycle):
             self.warn(f"{key}: no module named {', '.join(names)}; nothing is watched for them")
 
     # ---- internals --------------------------------------------------------------
-    def _transfer(self, reduce: bool = True) -> dict[int, StatTable]:
+    def _transfer(self, reduce: bool = True, at_step_end: bool = False) -> dict[int, StatTable]:
         """The one device-to-host copy: every pending row, grouped by step (`reduce`: through
-        `self.reducer`; a replay, which runs on its own, is not reduced)."""
+        `self.reducer`; a replay, which runs on its own, is not reduced).
+
+        At a step's end (`at_step_end`) in one-step-late mode (`read_late`; only when no rule
+        needs a decision before the optimizer step and the step is not run through `run_step`)
+        the copy is started without waiting and the result has no table of this step: it comes
+        with the next transfer, read from the host copy by then complete. Each transfer adds
+        the self-metering rows of the current step: `monitor/overhead_ms` (time in
+        `add_tensors` since the previous transfer, and in this one), `monitor/host_syncs`
+        (blocking reads: 1 for a synchronous transfer, 0 one step late unless the host had to
+        wait for the copy) and `monitor/tensors` (tensors measured, repeats not counted)."""
         self._host_since = time.perf_counter()  # Health/monitor_ms: from here to the record
+        started = self._host_since
         pending, self._pending = self._pending, []
         self._rows.clear()
+        tables: dict[int, StatTable] = {}
+        waits = 0
+        if reduce and self._in_flight is not None:
+            keys, steps, meter, copy = self._in_flight
+            self._in_flight = None
+            host, waited = copy.result()
+            waits += waited
+            self.host_syncs += waited
+            tables = _tables_by_step(keys, steps, np.concatenate([host, meter]))
         if not pending:
-            return {self.step: StatTable([], empty_rows())}
+            tables.setdefault(self.step, StatTable([], empty_rows()))
+            return tables
         keys = [k for _, ks, _ in pending for k in ks]
         rows = self.backend.concat([r for _, _, r in pending])
         if reduce and self.reducer is not None:
             rows = self.reducer(keys, rows)
-        host = self.backend.to_host(rows)
-        self.transfers += 1
         steps = np.repeat([s for s, ks, _ in pending], [len(ks) for _, ks, _ in pending])
-        tables = {}
-        for step in dict.fromkeys(steps.tolist()):
-            mask = steps == step
-            tables[step] = StatTable.from_rows([k for k, m in zip(keys, mask) if m], host[mask])
+        late = at_step_end and reduce and self._reads_late(rows)
+        if late:
+            copy = self.backend.start_copy(rows)
+        else:
+            host = self.backend.to_host(rows)
+            self.host_syncs += 1
+        self.transfers += 1
+        if reduce and steps[-1] == self.step:  # the metering rows (none in a replay's table, nor at
+            # a drain after the last step's end, which would make a record of them alone)
+            overhead_ms = (self._meter[0] + time.perf_counter() - started) * 1e3
+            meter = np.array([_scalar_row(overhead_ms), _scalar_row(waits + (not late)),
+                              _scalar_row(self._meter[1])])
+            self._meter = [0.0, 0]
+            keys += _METER_KEYS
+            steps = np.concatenate([steps, [self.step] * len(_METER_KEYS)])
+        else:
+            meter = empty_rows()
+        if late:
+            self._in_flight = (keys, steps, meter, copy)
+            self._early_micro_steps[self.step] = self.micro_steps
+            return tables
+        for step, table in _tables_by_step(keys, steps, np.concatenate([host, meter])).items():
+            if step in tables:
+                table = StatTable.from_rows(tables[step].keys + table.keys,
+                                            np.concatenate([tables[step].partials, table.partials]))
+            tables[step] = table
         tables.setdefault(self.step, StatTable([], empty_rows()))
         return tables
+
+    def _reads_late(self, rows: Any) -> bool:
+        """Whether this step's statistics may be read one step late (see `_transfer`)."""
+        if self.decide_early or self._step_call is not None or not hasattr(self.backend, "start_copy"):
+            return False
+        return self.backend.on_accelerator(rows) if self.read_late is None else self.read_late
 
     def _finish_step(self) -> StepRecord | None:
         if self.decide_early or self.step in self._early:
             return None  # emitted with the next transfer, joined with what follows the step
-        tables = self._transfer()
-        table = tables.pop(self.step)
-        self._emit_late(tables)  # an earlier step decided early (run through run_step)
+        tables = self._transfer(at_step_end=True)
+        table = tables.pop(self.step, None)
+        self._emit_late(tables)  # an earlier step decided early (run through run_step), or read late
+        if table is None:
+            return None  # read one step late: emitted with the next transfer
         firing = self._evaluate(table)
         events = self._tracker.update(self.step, firing)
         record = self._emit(self.step, table, events)
@@ -541,7 +601,11 @@ class Monitor(StepLifecycle):
 
     def _emit(self, step: int, table: StatTable, events: list[AlertEvent]) -> StepRecord:
         micro_steps = self._early_micro_steps.pop(step, self.micro_steps)
-        metrics = self._health(table, events, self._metrics(table), (time.perf_counter() - self._host_since) * 1e3)
+        metrics = self._metrics(table)
+        # the monitor's own cost: its time on the training thread for the step (monitor/overhead_ms:
+        # measuring and the transfer) and since the transfer (rules, tags, this record)
+        own_ms = metrics.get("monitor/overhead_ms", 0.0) + (time.perf_counter() - self._host_since) * 1e3
+        metrics = self._health(table, events, metrics, own_ms)
         health = self.writer.health()  # writer/<sink>/failed, writer/dropped: only once something was lost
         record = StepRecord(step=step, rank=self.rank, micro_steps=micro_steps,
                             metrics={**metrics, **health} if health else metrics, alerts=events, wall_time=time.time())
@@ -555,6 +619,26 @@ class Monitor(StepLifecycle):
         for listener in self.step_end_listeners:
             listener(record)
         return record
+
+
+#: the self-metering rows of every transfer (see `Monitor._transfer`)
+_METER_KEYS = [MetricKey("monitor", "overhead_ms"), MetricKey("monitor", "host_syncs"),
+               MetricKey("monitor", "tensors")]
+
+
+def _scalar_row(value: float) -> list[float]:
+    """The partial-statistics row of one number (min, max, sum, sum of squares, nan, inf, zeros, numel)."""
+    return [value, value, value, value * value, 0.0, 0.0, float(value == 0), 1.0]
+
+
+def _tables_by_step(keys: list[MetricKey], steps: np.ndarray, host: np.ndarray) -> dict[int, StatTable]:
+    """Transferred rows as one table per step (one slice per step once grouped by step)."""
+    if len(steps) > 1 and (np.diff(steps) < 0).any():
+        order = np.argsort(steps, kind="stable")
+        keys, steps, host = [keys[i] for i in order], steps[order], host[order]
+    bounds = np.flatnonzero(np.diff(steps)) + 1
+    starts, ends = [0, *bounds.tolist()], [*bounds.tolist(), len(steps)]
+    return {int(steps[a]): StatTable.from_rows(keys[a:b], host[a:b]) for a, b in zip(starts, ends)}
 
 
 def _tensor_meta(tensor: Any) -> tuple:

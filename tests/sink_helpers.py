@@ -7,10 +7,13 @@ from msprobe_engine.sinks.tb_layout import LAYER_KINDS
 EVERY_TAG_TENSORBOARD = {"name": "tensorboard", "layer_kinds": list(LAYER_KINDS),
                          "layer_stats": list(STATISTICS.names())}
 
-#: metrics that are times, so differ between ranks and runs that compute the same numbers
+#: metrics of the monitor's own cost (times, syncs), so differ between ranks and runs that
+#: compute the same numbers
 TIMING_TAGS = frozenset({"Health/monitor_ms"})
+SELF_METERING = "monitor/"
 
 
 def untimed(metrics: dict) -> dict:
-    """`metrics` without the timing tags."""
-    return {tag: value for tag, value in metrics.items() if tag not in TIMING_TAGS}
+    """`metrics` without the monitor's own cost."""
+    return {tag: value for tag, value in metrics.items()
+            if tag not in TIMING_TAGS and not tag.startswith(SELF_METERING)}

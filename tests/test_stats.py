@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from msprobe_engine.frameworks.torch.backend import SMALL_NUMEL, partial_stats
+from msprobe_engine.frameworks.torch.backend import FOREACH_NUMEL, SMALL_NUMEL, partial_stats
 from msprobe_engine.stats import finalize, merge, reference_partial
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-SIZES = [1, 7, 1000, SMALL_NUMEL + 1, 300_000]
+SIZES = [1, 7, 1000, SMALL_NUMEL + 1, FOREACH_NUMEL, FOREACH_NUMEL + 1, 300_000]  # every path and its edges
 
 
 def reference(t: torch.Tensor) -> np.ndarray:
@@ -42,7 +42,7 @@ def test_random_tensors_of_every_size(dtype):
     assert_matches(partial_stats(tensors, count_zeros=True).numpy(), tensors)
 
 
-@pytest.mark.parametrize("size", [5, 100_000])
+@pytest.mark.parametrize("size", [5, FOREACH_NUMEL, 100_000])
 def test_non_finite_values_propagate_and_are_counted(size):
     x = torch.randn(size)
     with_nan, with_inf, with_both = x.clone(), x.clone(), x.clone()
@@ -127,3 +127,28 @@ def test_deferred_blocks_of_mixed_dtypes_pack_together_and_ignore_later_in_place
     rows = concat([first, second]).numpy()
     assert_matches(rows[:5], expected)
     np.testing.assert_array_equal(rows[5], rows[4])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mid_size_tensors_on_the_multi_tensor_path_are_exact_and_repeat_their_rows(dtype):
+    gen = torch.Generator().manual_seed(2)
+    sizes = [SMALL_NUMEL + 1, 5000, 20_000, 33_333, FOREACH_NUMEL]
+    tensors = [(torch.randn(n, generator=gen) * 2 - 0.3).to(dtype) for n in sizes]
+    tensors[1][7] = float("nan")
+    tensors[2][0], tensors[2][-1] = float("inf"), 0.0
+    tensors[3][::3] = 0.0
+    given = [*tensors, torch.randn(3), tensors[2]]
+    rows = partial_stats(given, count_zeros=True).numpy()
+    assert_matches(rows, tensors)
+    np.testing.assert_array_equal(rows[6], rows[2])
+    stats = finalize(rows)
+    assert stats["nan_count"][1] == 1 and stats["inf_count"][2] == 1 and stats["zero_frac"][3] >= 1 / 3
+
+
+def test_tensors_of_one_sign_have_no_zeros_without_counting_them():
+    gen = torch.Generator().manual_seed(3)
+    tensors = [torch.rand(n, generator=gen) + 0.1 for n in (5000, 6000, 7000, 100_000)]
+    tensors += [-t for t in tensors] + [torch.rand(5000, generator=gen) * (torch.arange(5000) % 2)]
+    rows = partial_stats(tensors, count_zeros=True).numpy()
+    assert_matches(rows, tensors)
+    assert (finalize(rows)["zero_frac"][:8] == 0).all() and finalize(rows)["zero_frac"][8] == 0.5

@@ -4,7 +4,7 @@ A run is given as its run directory (``<output_dir>/<run name>``), one rank dire
 one metrics.jsonl; an output_dir that holds a single run stands for that run. The
 `Health/*` overview is left out: it repeats other tags, and `Health/monitor_ms` is a time.
 
-Records align by rank, step and tag. Two values differ when their relative difference
+Records align by rank, step and tag (the monitor's own cost, ``monitor/*``, is left out). Two values differ when their relative difference
 |b - a| / max(|a|, |b|) exceeds ``rtol`` and |b - a| exceeds ``atol``, or when their nan/inf
 classes differ (nan vs a number, +inf vs -inf; nan vs nan is equal). The first divergence
 is the earliest step; within it, the first tag in the record's (execution) order; ties
@@ -26,6 +26,8 @@ JSONL_NAME = "metrics.jsonl"
 _RANK_RE = re.compile(r"^rank(\d+)$")
 RTOL = 1e-3
 ATOL = 0.0
+#: tags of the monitor's own cost (`monitor/overhead_ms`, ...): they differ from run to run, not compared
+SELF_METERING = "monitor/"
 
 Records = dict[int, dict[str, float]]  # step -> {tag: value}, tags in record order
 
@@ -78,7 +80,7 @@ def read_records(file: Path, problems: list[str]) -> Records:
                 if not isinstance(step, int) or not isinstance(metrics, dict):
                     raise TypeError("'step' must be an integer and 'metrics' an object")
                 records[step] = {k: float(v) for k, v in metrics.items()
-                                 if isinstance(v, (int, float)) and not k.startswith(HEALTH)}
+                                 if isinstance(v, (int, float)) and not k.startswith((HEALTH, SELF_METERING))}
             except (ValueError, KeyError, TypeError) as e:
                 problems.append(f"{file}:{lineno}: skipped: {e!s}")
     return records

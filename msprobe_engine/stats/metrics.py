@@ -25,8 +25,8 @@ class MetricNamer:
         columns = [stats[stat].tolist() for stat in self.stats]
         means = stats["mean"].tolist()
         for i, key in enumerate(table.keys):
-            if key.kind == "train":
-                metrics[f"train/{key.path}"] = means[i]
+            if key.kind in ("train", "monitor"):  # one number each: the loss, the monitor's own cost
+                metrics[f"{key.kind}/{key.path}"] = means[i]
                 continue
             if key.kind in self.hidden_kinds:
                 continue

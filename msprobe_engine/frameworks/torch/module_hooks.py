@@ -63,6 +63,7 @@ class ModuleHooks:
             if self.inputs or self.outputs else None
         self.calls: dict[str, int] = defaultdict(int)
         self.recomputed: dict[str, int] = defaultdict(int)
+        self._grad_hooks: dict[MetricKey, Callable] = {}  # one gradient hook per key, made once
         self.handles: list = [model.register_forward_pre_hook(self._root_pre_hook)]
         self.paths: list[str] = []
         if not (self.inputs or self.outputs or self.grads):
@@ -98,6 +99,7 @@ class ModuleHooks:
     def _make_hook(self, path: str):
         monitor = self.monitor
         where = f"forward hook of {path}"
+        names = [path]  # the name of each call in a micro-step: path, path:1, ... (made once)
 
         def hook(module, args, kwargs, output):
             if not monitor.active or where in monitor.disabled:
@@ -107,7 +109,9 @@ class ModuleHooks:
                 counter = self.recomputed if recompute else self.calls
                 n = counter[path]
                 counter[path] = n + 1
-                self._collect(path if n == 0 else f"{path}:{n}", args, kwargs, output, recompute)
+                if n == len(names):
+                    names.append(f"{path}:{n}")
+                self._collect(names[n], args, kwargs, output, recompute)
             except Exception as exc:
                 monitor.hook_failed(where, exc)
 
@@ -136,7 +140,10 @@ class ModuleHooks:
         # A leaf (a parameter returned as is, like Megatron's skip_bias_add bias) would keep
         # every hook registered on it, one more each step: it is not hooked.
         if tensor.requires_grad and tensor.grad_fn is not None:
-            tensor.register_hook(self._make_grad_hook(key))
+            hook = self._grad_hooks.get(key)
+            if hook is None:
+                hook = self._grad_hooks[key] = self._make_grad_hook(key)
+            tensor.register_hook(hook)
 
     def _make_grad_hook(self, key: MetricKey):
         monitor = self.monitor

@@ -1,0 +1,148 @@
+"""Monitor and dump overhead on models we did not write, side by side with the predecessor.
+
+For each model (bench/models.py), every mode (bench/modes.py) trains its own copy of the
+model in ONE process, one step of each mode in turn, the order rotated every round (machine
+noise hits every mode alike), at one thread. Ratio = median step time of a mode over the
+median of `none` in the same process. The predecessor's monitor and dump change torch
+globally (BackwardHook, a singleton debugger), so each of its modes runs in a process of
+its own next to a `none` copy; everything of ours and the floors share the model's main
+process. Dumps are measured on the predecessor-style model (`small_lm`).
+
+Printed: one table per model, then, as the LAST line, one JSON object:
+``{model: {mode: ratio, ..., "ratio_to_floor": {config: ours / floor},
+"share_of_predecessor": {config: (ours - 1) / (pred - 1)}}, "load": [1, 5, 15 min]}``.
+
+    OMP_NUM_THREADS=1 python bench/suite.py [--quick] [--models small_lm gpt2-1m ...]
+        [--steps N] [--warmup N]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from modes import CONFIGS  # noqa: E402
+
+SMALL = ("small_lm", "gpt2-1m", "llama-1m")
+MEDIUM = ("gpt2-20m", "llama-20m")
+OURS = [f"ours_{c}" for c in CONFIGS]
+FLOORS = [f"floor_{c}" for c in CONFIGS]
+LEVELS = ("L0", "L1", "mix")
+
+
+def groups(model: str) -> list[list[str]]:
+    """The processes of one model, each a list of modes run side by side."""
+    runs = [["none", *FLOORS, *OURS, f"pred_{CONFIGS[0]}"]]
+    runs += [["none", f"pred_{c}"] for c in CONFIGS[1:]]
+    if model == "small_lm":
+        runs.append(["none", *(f"ours_dump_{level}" for level in LEVELS)])
+        runs += [["none", f"pred_dump_{level}"] for level in LEVELS]
+    return runs
+
+
+def worker(model_name: str, modes: list[str], steps: int, warmup: int) -> dict[str, float]:
+    """Median step time (s) of each mode, all trained side by side in this process."""
+    import logging
+
+    import torch
+
+    import modes as mode_lib
+    from models import build
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    torch.set_num_threads(1)
+    out = Path(tempfile.mkdtemp(prefix="msprobe-suite-"))
+    runs = {}
+    for name in modes:
+        model, forward = build(model_name)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step(forward=forward, optimizer=optimizer):
+            loss = forward()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            return loss
+        runs[name] = (mode_lib.make(name, model, optimizer, out), step, [])
+    for i in range(warmup + steps):
+        shift = i % len(modes)
+        for name in modes[shift:] + modes[:shift]:
+            mode, step, times = runs[name]
+            start = time.perf_counter()
+            mode.run(step)
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+    for mode, _, _ in runs.values():
+        mode.close()
+    return {name: statistics.median(times) for name, (_, _, times) in runs.items()}
+
+
+def run_group(model: str, modes: list[str], steps: int, warmup: int) -> dict[str, float]:
+    cmd = [sys.executable, __file__, "--worker", model, "--modes", ",".join(modes),
+           "--steps", str(steps), "--warmup", str(warmup)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{model} {modes}: exit {done.returncode}\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def summarise(model: str, medians: list[dict[str, float]]) -> dict:
+    """Ratios over each process's own `none`, and the derived figures."""
+    ratios = {}
+    for group in medians:
+        ratios.update({m: round(t / group["none"], 3) for m, t in group.items() if m != "none"})
+    result = dict(ratios)
+    result["ratio_to_floor"] = {c: round(ratios[f"ours_{c}"] / ratios[f"floor_{c}"], 3) for c in CONFIGS}
+    pairs = [(c, f"ours_{c}", f"pred_{c}") for c in CONFIGS]
+    pairs += [(f"dump_{lv}", f"ours_dump_{lv}", f"pred_dump_{lv}") for lv in LEVELS if f"ours_dump_{lv}" in ratios]
+    result["share_of_predecessor"] = {name: round((ratios[o] - 1) / (ratios[p] - 1), 3)
+                                      for name, o, p in pairs if ratios[p] > 1}
+    base = medians[0]["none"]
+    print(f"== {model}: no tool {base * 1e3:.1f} ms/step")
+    for c in CONFIGS:
+        print(f"  {c:16s} floor {ratios[f'floor_{c}']:6.3f}  ours {ratios[f'ours_{c}']:6.3f}  "
+              f"predecessor {ratios[f'pred_{c}']:6.3f}  ours/floor {result['ratio_to_floor'][c]:.3f}")
+    for lv in LEVELS:
+        if f"ours_dump_{lv}" in ratios:
+            print(f"  dump {lv:11s} ours {ratios[f'ours_dump_{lv}']:6.3f}  "
+                  f"predecessor {ratios[f'pred_dump_{lv}']:6.3f}")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small models only, few steps (a correctness run)")
+    parser.add_argument("--models", nargs="+", help=f"default: {' '.join(SMALL + MEDIUM)}")
+    parser.add_argument("--steps", type=int, help="timed rounds (default 20 small, 8 medium; quick 4)")
+    parser.add_argument("--warmup", type=int, help="untimed rounds first (default 3; quick 1)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--modes", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.modes.split(","), args.steps, args.warmup)))
+        return
+    models = args.models or (SMALL if args.quick else SMALL + MEDIUM)
+    report = {}
+    for model in models:
+        steps = args.steps or (4 if args.quick else 8 if model in MEDIUM else 20)
+        warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+        medians = [run_group(model, modes, steps, warmup) for modes in groups(model)]
+        report[model] = summarise(model, medians)
+    report["load"] = [round(x, 2) for x in os.getloadavg()]
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
