@@ -231,7 +231,13 @@ def _deepspeed_engine(model: Any) -> Any:
 
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    engines = [o for o in gc.get_objects() if isinstance(o, DeepSpeedEngine) and o.module is model]
+    def trains_model(obj: Any) -> bool:
+        try:
+            return isinstance(obj, DeepSpeedEngine) and obj.module is model
+        except ReferenceError:  # a weak proxy whose object is gone
+            return False
+
+    engines = [o for o in gc.get_objects() if trains_model(o)]
     return engines[-1] if engines else None
 
 

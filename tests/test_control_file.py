@@ -24,7 +24,10 @@ def write(tmp_path, data) -> None:
 
 
 def take_effect(monitor, loss=1.0) -> None:
-    """One step looks at the file (on the writer thread), the next step boundary applies it."""
+    """One step looks at the file (on the writer thread), the next step boundary applies it.
+    (A look still in flight from an earlier step may have read the file before it changed:
+    wait for it first, so that this step's look reads the file as it is now.)"""
+    monitor.writer.flush()
     monitor.step_end(loss)
     monitor.writer.flush()
     monitor.step_end(loss)

@@ -19,7 +19,13 @@ from msprobe_engine.analysis.precheck.protocol import CASE, HELLO, hello, write_
 from msprobe_engine.analysis.precheck.transport import TcpTransport
 from msprobe_engine.cli import main
 from msprobe_engine.frameworks.torch.precheck.online import OnlinePrecheck
-from test_precheck import APIS, read_rows
+from test_precheck import APIS as DUMPED_APIS
+from test_precheck import read_rows
+
+#: the calls the online sender sees: as the dump's, but operators under the API they dispatch to
+#: (`x * y` is `Tensor.mul`: the dump's dunder names come from its operator shadowing, which the
+#: online capture does not install)
+APIS = [name.replace("Tensor.__mul__", "Tensor.mul") for name in DUMPED_APIS]
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
