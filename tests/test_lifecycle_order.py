@@ -174,8 +174,58 @@ def _on_two_ranks(fn: Any) -> Any:
     return run
 
 
+def mindspore_run(out: Path, action: str) -> tuple[str, bool | None]:
+    import mindspore as ms
+    import numpy as np
+    from mindspore import Tensor, nn
+
+    from msprobe_engine import TrainingStopped
+    from msprobe_integrations.mindspore import MindSporeMonitor
+
+    ms.set_device("CPU")
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    ms.set_seed(0)
+    poison = {"on": False}
+
+    class Poison(nn.Cell):
+        def construct(self, x):
+            return x * float("nan") if poison["on"] else x
+
+    net = nn.SequentialCell(nn.Dense(4, 8), nn.Tanh(), Poison(), nn.Dense(8, 2))
+    opt = nn.Adam(net.trainable_params(), learning_rate=1e-2)
+    monitor = MindSporeMonitor(net, opt, config(out, action))
+    calls = record(monitor.monitor)
+    grad_fn = ms.value_and_grad(lambda x: (net(x) ** 2).mean(), None, opt.parameters)
+    rng = np.random.default_rng(0)
+    unchanged = None
+    try:
+        for step in range(STEPS):
+            poison["on"] = step == BAD_STEP
+            before = [p.asnumpy().copy() for p in net.trainable_params()]
+            grads = None
+            for _ in range(MICRO):
+                loss, g = grad_fn(Tensor(rng.standard_normal((3, 4)).astype(np.float32)))
+                grads = g if grads is None else tuple(a + b for a, b in zip(grads, g))
+            opt(grads)
+            monitor.step_end(loss)
+            if step == BAD_STEP:
+                unchanged = all((b == p.asnumpy()).all() for b, p in zip(before, net.trainable_params()))
+    except TrainingStopped:
+        pass
+    monitor.close()
+    return letters(calls), unchanged
+
+
+def _trainer(name: str) -> Any:
+    def run(out: Path, action: str) -> tuple[str, bool | None]:
+        from tests import trainer_helpers
+        return getattr(trainer_helpers, name)(out, action)
+    return run
+
+
 RUNNERS = {"torch": torch_run, "deepspeed": _in_a_rank(deepspeed_run), "megatron": _in_a_rank(megatron_run),
-           "fsdp2": _on_two_ranks(fsdp2_run)}
+           "fsdp2": _on_two_ranks(fsdp2_run), "mindspore": mindspore_run, "hf": _trainer("hf_lifecycle"),
+           "lightning": _trainer("lightning_lifecycle")}
 
 
 @pytest.mark.slow
