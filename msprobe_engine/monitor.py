@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from msprobe_engine.config import ConfigError, ConfigSource, MonitorConfig, load_config
+from msprobe_engine.config import ConfigSource, MonitorConfig, load_config
 from msprobe_engine.incident.actions import StepDecision, TrainingStopped
 from msprobe_engine.incident.graph import HIDDEN_KINDS, CallGraph
 from msprobe_engine.incident.recorder import Incident, IncidentContext, IncidentRecorder, StepFacts
