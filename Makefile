@@ -43,7 +43,7 @@ $(VENV)/.core: pyproject.toml constraints.txt | $(PY)
 # Everything the tests need: the real DeepSpeed, Megatron-core, MindSpore, the predecessor
 # (mindstudio-probe), transformers, Lightning, wandb, MLflow, tb-graph-ascend; Chromium from apt.
 $(VENV)/.all: $(VENV)/.core
-	$(PIP) -e ".[torch,test,deepspeed,megatron,mindspore,predecessor,hf,lightning,wandb,mlflow,graph]"
+	$(PIP) -e ".[torch,test,deepspeed,megatron,mindspore,predecessor,hf,lightning,wandb,mlflow,graph,triton]"
 	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
 	touch $@
 
