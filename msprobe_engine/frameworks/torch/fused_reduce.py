@@ -1,0 +1,161 @@
+"""A fused single-pass reduction (Triton) of many CUDA tensors into partial-statistics rows.
+
+What it computes: for each float32/float16/bfloat16 tensor of a call, the row of
+`msprobe_engine.stats.columns` (min, max, sum, sumsq, nan_count, inf_count, zero_count, numel)
+with the torch backend's semantics: a tensor holding a nan has nan min and max (and, by IEEE
+arithmetic, nan sum and sumsq); +-inf are kept in min/max/sum; the zero count is nan unless
+asked for, except for an empty tensor (0); an empty tensor's row is the merge identities
+(+inf, -inf, 0, ...).
+
+How: every tensor is cut into segments of at most SEGMENT elements (an empty tensor is one
+segment of none); a table of (address, length) per segment goes to the device in one
+non-blocking copy from pinned memory. Two launches per dtype then serve all the tensors of
+the call, whatever their number and sizes:
+
+1. `fused_reduce_kernels.segment_kernel`, one program per segment: each reads its segment once, BLOCK elements at
+   a time, keeping per lane a float32 running min, max, sum and sum of squares and int32
+   counts of nan, inf and zeros (nan left out of min/max; fp16/bf16 converted to float32,
+   exactly); at the end it reduces its lanes and writes one float64 row per segment (its
+   own length in the numel column).
+2. `combine_kernel`, one program per tensor: merges its segments' rows in float64 (min of
+   mins, max of maxes, the rest added) and writes the tensor's row: min and max nan where a
+   nan was counted, the zero count nan when not asked for (0 for an empty tensor).
+
+Precision: float32 within a lane (at most SEGMENT / BLOCK = 16 additions) and a float32 tree
+over BLOCK lanes, then float64 across segments: relative error of the sum of squares about
+1e-7, below the 1e-5 the backend's tests allow above SMALL_NUMEL and the 1e-6 below.
+(The torch path sums a whole tensor in float32, so a float32 sum that overflows there is
+finite here.)
+
+Non-contiguous tensors are copied with `.contiguous()` first (one extra read and write of that
+tensor); float64, integer, bool, complex and sparse tensors are left to the torch path.
+
+Selection: `backend.partial_stats` calls `measure` for CUDA tensors only (`DEVICES`); it returns None
+(the torch path measures everything) when Triton cannot be imported, when
+``MSPROBE_FUSED_REDUCE=0`` is set or `ENABLED` is False, or after the kernel failed once
+(the failure is logged once, the run goes on on the torch path).
+
+Testing without a GPU: with ``TRITON_INTERPRET=1`` in the environment before Triton is
+imported, `rows` runs the same kernels on CPU tensors in Triton's interpreter
+(tests/test_fused_reduce.py does so in a subprocess).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+log = logging.getLogger("msprobe_engine")
+
+#: Elements per lane-block step of a program (a power of two).
+BLOCK = 1024
+#: Elements per segment: one program reads at most this many (a multiple of BLOCK). Not tuned
+#: on a GPU (none was available when this was written).
+SEGMENT = 16 * BLOCK
+#: Segments merged per step of the combining kernel (a power of two).
+COMBINE_BLOCK = 64
+#: The dtypes the kernel reads.
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: Device types `backend.partial_stats` hands to the kernel (the tests add "cpu" under the interpreter).
+DEVICES: tuple[str, ...] = ("cuda",)
+#: Environment switch: ``MSPROBE_FUSED_REDUCE=0`` (or ``off``/``false``/``no``) keeps the torch path.
+ENV = "MSPROBE_FUSED_REDUCE"
+
+#: False turns the kernel off for this process (set by hand, or after it failed once).
+ENABLED = os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+#: Why the kernel is not in use (None while it is, or has not been tried).
+disabled_reason: Optional[str] = None if ENABLED else f"{ENV}={os.environ.get(ENV)}"
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    """The two jitted kernels and the dtype map (Triton imported on first use only)."""
+    from msprobe_engine.frameworks.torch import fused_reduce_kernels as k
+    return k.segment_kernel, k.combine_kernel, k.DTYPES
+
+
+def available() -> bool:
+    """Whether the kernel may be used now: enabled, and Triton importable."""
+    if not ENABLED:
+        return False
+    try:
+        _kernels()
+    except Exception as exc:  # ImportError, or a Triton that cannot build the kernels
+        _disable(f"Triton unavailable ({type(exc).__name__}: {exc})")
+        return False
+    return True
+
+
+def _disable(reason: str) -> None:
+    global ENABLED, disabled_reason
+    ENABLED, disabled_reason = False, reason
+    log.warning("msprobe: fused reduction kernel off, statistics use the torch path: %s", reason)
+
+
+def rows(tensors: Sequence[torch.Tensor], count_zeros: bool = False) -> torch.Tensor:
+    """``[len(tensors), 8]`` float64 rows of `tensors` (strided, one dtype of `DTYPES`, one
+    device) by the two kernels, on that device. Raises what Triton raises."""
+    segment_kernel, combine_kernel, dtypes = _kernels()
+    device = tensors[0].device
+    dtype = tensors[0].dtype
+    flats = [t if t.is_contiguous() else t.contiguous() for t in tensors]  # kept alive until launched
+    addresses = np.fromiter((f.data_ptr() for f in flats), dtype=np.int64, count=len(flats))
+    numels = np.fromiter((f.numel() for f in flats), dtype=np.int64, count=len(flats))
+    per_tensor = np.maximum(1, -(-numels // SEGMENT))  # segments per tensor; an empty one has one
+    starts = np.zeros(len(flats) + 1, dtype=np.int64)
+    np.cumsum(per_tensor, out=starts[1:])
+    n_segments = int(starts[-1])
+    owner = np.repeat(np.arange(len(flats)), per_tensor)
+    within = np.arange(n_segments, dtype=np.int64) - starts[owner]
+    seg_addresses = addresses[owner] + within * (SEGMENT * flats[0].element_size())
+    seg_lengths = np.clip(numels[owner] - within * SEGMENT, 0, SEGMENT)
+    table = torch.from_numpy(np.concatenate([seg_addresses, seg_lengths, starts]))
+    if device.type == "cuda":  # one host-to-device copy that does not wait for the device queue
+        table = table.pin_memory().to(device, non_blocking=True)
+    partials = torch.empty((n_segments, 8), dtype=torch.float64, device=device)
+    out = torch.empty((len(flats), 8), dtype=torch.float64, device=device)
+    options = {"num_warps": 4, "enable_fp_fusion": True}  # fusion: x*x + acc as one fma (said, not defaulted)
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        segment_kernel[(n_segments,)](table, n_segments, partials, DTYPE=dtypes[dtype], BLOCK=BLOCK,
+                                      ALIGNED=bool((seg_addresses % 16 == 0).all()), **options)
+        combine_kernel[(len(flats),)](partials, table[2 * n_segments:], out, COUNT_ZEROS=bool(count_zeros),
+                                      BLOCK=COMBINE_BLOCK, **options)
+    del flats
+    return out
+
+
+def eligible(tensor: torch.Tensor, device: torch.device) -> bool:
+    """Whether the kernel reads `tensor` (a strided float32/16/bf16 tensor on `device`)."""
+    return tensor.layout == torch.strided and tensor.dtype in DTYPES and tensor.device == device
+
+
+def measure(tensors: Sequence[torch.Tensor], count_zeros: bool) -> Optional[tuple[list[int], torch.Tensor]]:
+    """The hook of `backend.partial_stats` (on CUDA, `DEVICES`): ``(positions, rows)`` of the tensors the
+    kernel measured (those `eligible` on the first tensor's device, in position order), or
+    None when it measured none (off, no Triton, nothing eligible, or it failed: then it is
+    off for the rest of the run and the torch path measures everything)."""
+    if not tensors or not available():
+        return None
+    device = tensors[0].device
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for pos, tensor in enumerate(tensors):
+        if eligible(tensor, device):
+            by_dtype.setdefault(tensor.dtype, []).append(pos)
+    if not by_dtype:
+        return None
+    try:
+        with torch.no_grad():
+            blocks = [(positions, rows([tensors[p].detach() for p in positions], count_zeros))
+                      for positions in by_dtype.values()]
+    except Exception as exc:  # a kernel that does not build or launch here: once, then the torch path
+        _disable(f"the kernel failed ({type(exc).__name__}: {exc})")
+        return None
+    if len(blocks) == 1:
+        return blocks[0]
+    order = [pos for positions, _ in blocks for pos in positions]
+    return order, torch.cat([r for _, r in blocks])
