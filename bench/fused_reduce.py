@@ -1,6 +1,6 @@
 """The fused Triton reduction kernel against the torch path, per monitored step, on CUDA.
 
-    python bench/fused_reduce.py [--reps 50] [--workloads gpt2_grads,many_small,few_large]
+    python bench/fused_reduce.py [--reps 50] [--workloads gpt2_grads,many_small,few_large,one_hook]
 
 A "step" is what the monitor measures at one moment: `backend.partial_stats(tensors,
 count_zeros)` then `backend.concat` (the rows, packed, left on the device). Workloads:
@@ -8,7 +8,9 @@ count_zeros)` then `backend.concat` (the rows, packed, left on the device). Work
 - `gpt2_grads`: the parameter shapes of a 12-layer, 768-wide GPT-2 (148 tensors, 124M elements),
   in float32 and in bfloat16;
 - `many_small`: 2000 tensors of 64 to 4096 elements (activations of small modules), float32 and bf16;
-- `few_large`: 8 tensors of 16M elements, float32 and bf16.
+- `few_large`: 8 tensors of 16M elements, float32 and bf16;
+- `one_hook`: the 2 tensors of one module hook (8 x 512 x 768 each), where launch overhead
+  decides: the case that says whether the kernel should take calls of one or two tensors.
 
 For each, with the kernel (`fused_reduce.DEVICES = ("cuda",)`) and without (the torch path on
 CUDA): the host time of the call (what the training thread spends launching), and the time
@@ -49,6 +51,8 @@ def workload(name: str, dtype: torch.dtype, gen: torch.Generator, device: str, s
     elif name == "many_small":
         sizes = torch.randint(64, 4097, (20 if small else 2000,), generator=gen).tolist()
         shapes = [(n,) for n in sizes]
+    elif name == "one_hook":
+        shapes = [(2, 16, 64)] * 2 if small else [(8, 512, 768)] * 2
     elif name == "few_large":
         shapes = [(70_000 if small else 16 << 20,)] * (2 if small else 8)
     else:
@@ -88,7 +92,7 @@ def timed(tensors: list[torch.Tensor], count_zeros: bool, fused: bool, reps: int
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=50)
-    parser.add_argument("--workloads", default="gpt2_grads,many_small,few_large")
+    parser.add_argument("--workloads", default="gpt2_grads,many_small,few_large,one_hook")
     parser.add_argument("--dry-run-on-cpu", action="store_true",
                         help="with TRITON_INTERPRET=1: small workloads on CPU tensors in Triton's interpreter, "
                              "to check this script (its timings mean nothing)")

@@ -130,11 +130,28 @@ def check(device: str, quick: bool = False) -> dict:
             for row, (name, t) in zip(got, group):
                 problems += compare(f"{name} batched zeros={count_zeros}", row, cpu_rows[name], t, count_zeros)
                 checked += 1
+    problems += check_many(device, count=37 if quick else 257)
     problems += check_backend_hook(device)
     if not quick:
         problems += check_monitor(device)
     return {"device": device, "quick": quick, "checked_rows": checked, "problems": problems[:40], "n_problems": len(problems),
             "seconds": round(time.perf_counter() - started, 2)}
+
+
+def check_many(device: str, count: int = 257) -> list[str]:
+    """One call of `count` tensors (not a power of two) of 0 to 40k elements, empty ones among
+    them: every program finds its tensor (binary search over the segment table)."""
+    gen = torch.Generator().manual_seed(7)
+    sizes = torch.randint(0, 3000, (count,), generator=gen).tolist()
+    sizes[::50] = [0] * len(sizes[::50])
+    sizes[7], sizes[count // 2], sizes[-1] = 40_000, SEG + 3, 2 * SEG
+    ts = [torch.randn(n, generator=gen) for n in sizes]
+    got = fused_reduce.rows([t.to(device) for t in ts], True).cpu().numpy()
+    want = backend.partial_stats(ts, count_zeros=True).numpy()
+    problems = []
+    for i, (row, t) in enumerate(zip(got, ts)):
+        problems += compare(f"many: tensor {i} of {count} ({t.numel()} elements)", row, want[i], t, True)
+    return problems
 
 
 def check_backend_hook(device: str) -> list[str]:

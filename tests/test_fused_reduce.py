@@ -65,9 +65,11 @@ for arch in (80, 90):
     target = GPUTarget("cuda", arch, 32)
     for name, dtype in (("fp32", tl.float32), ("fp16", tl.float16), ("bf16", tl.bfloat16)):
         for aligned in (True, False):
-            src = ASTSource(k.segment_kernel, {"table": "*i64", "n_segments": "i32", "partials": "*fp64",
+            src = ASTSource(k.segment_kernel, {"table": "*i64", "n_tensors": "i32", "search_steps": "i32",
+                                               "partials": "*fp64", "SEGMENT": "constexpr",
                                                "DTYPE": "constexpr", "BLOCK": "constexpr", "ALIGNED": "constexpr"},
-                            constexprs={"DTYPE": dtype, "BLOCK": fused_reduce.BLOCK, "ALIGNED": aligned})
+                            constexprs={"DTYPE": dtype, "SEGMENT": fused_reduce.SEGMENT, "BLOCK": fused_reduce.BLOCK,
+                                        "ALIGNED": aligned})
             c = triton.compile(src, target=target, options={"num_warps": 4, "enable_fp_fusion": True})
             loads = sorted({w for line in c.asm["ptx"].splitlines() for w in line.split() if w.startswith("ld.global")})
             out[f"sm{arch} {name} aligned={aligned}"] = {"cubin": len(c.asm["cubin"]), "loads": loads}

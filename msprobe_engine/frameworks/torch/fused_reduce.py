@@ -41,13 +41,14 @@ imported, `rows` runs the same kernels on CPU tensors in Triton's interpreter
 """
 from __future__ import annotations
 
+import array
 import contextlib
 import functools
+import itertools
 import logging
 import os
 from typing import Optional, Sequence
 
-import numpy as np
 import torch
 
 log = logging.getLogger("msprobe_engine")
@@ -104,27 +105,22 @@ def rows(tensors: Sequence[torch.Tensor], count_zeros: bool = False) -> torch.Te
     device = tensors[0].device
     dtype = tensors[0].dtype
     flats = [t if t.is_contiguous() else t.contiguous() for t in tensors]  # kept alive until launched
-    addresses = np.fromiter((f.data_ptr() for f in flats), dtype=np.int64, count=len(flats))
-    numels = np.fromiter((f.numel() for f in flats), dtype=np.int64, count=len(flats))
-    per_tensor = np.maximum(1, -(-numels // SEGMENT))  # segments per tensor; an empty one has one
-    starts = np.zeros(len(flats) + 1, dtype=np.int64)
-    np.cumsum(per_tensor, out=starts[1:])
-    n_segments = int(starts[-1])
-    owner = np.repeat(np.arange(len(flats)), per_tensor)
-    within = np.arange(n_segments, dtype=np.int64) - starts[owner]
-    seg_addresses = addresses[owner] + within * (SEGMENT * flats[0].element_size())
-    seg_lengths = np.clip(numels[owner] - within * SEGMENT, 0, SEGMENT)
-    table = torch.from_numpy(np.concatenate([seg_addresses, seg_lengths, starts]))
+    addresses = [f.data_ptr() for f in flats]
+    numels = [f.numel() for f in flats]
+    starts = list(itertools.accumulate(((n + SEGMENT - 1) // SEGMENT or 1 for n in numels), initial=0))
+    n_tensors, n_segments = len(flats), starts[-1]  # an empty tensor has one segment, of no elements
+    table = torch.frombuffer(array.array("q", addresses + numels + starts), dtype=torch.int64)
     if device.type == "cuda":  # one host-to-device copy that does not wait for the device queue
         table = table.pin_memory().to(device, non_blocking=True)
     partials = torch.empty((n_segments, 8), dtype=torch.float64, device=device)
-    out = torch.empty((len(flats), 8), dtype=torch.float64, device=device)
+    out = torch.empty((n_tensors, 8), dtype=torch.float64, device=device)
     options = {"num_warps": 4, "enable_fp_fusion": True}  # fusion: x*x + acc as one fma (said, not defaulted)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        segment_kernel[(n_segments,)](table, n_segments, partials, DTYPE=dtypes[dtype], BLOCK=BLOCK,
-                                      ALIGNED=bool((seg_addresses % 16 == 0).all()), **options)
-        combine_kernel[(len(flats),)](partials, table[2 * n_segments:], out, COUNT_ZEROS=bool(count_zeros),
-                                      BLOCK=COMBINE_BLOCK, **options)
+        segment_kernel[(n_segments,)](table, n_tensors, max(0, n_tensors - 1).bit_length(), partials,
+                                      DTYPE=dtypes[dtype], SEGMENT=SEGMENT, BLOCK=BLOCK,
+                                      ALIGNED=all(a % 16 == 0 for a in addresses), **options)
+        combine_kernel[(n_tensors,)](partials, table[2 * n_tensors:], out, COUNT_ZEROS=bool(count_zeros),
+                                     BLOCK=COMBINE_BLOCK, **options)
     del flats
     return out
 

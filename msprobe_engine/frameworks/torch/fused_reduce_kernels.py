@@ -20,14 +20,27 @@ def accumulate(x, inside, low, high, total, squares, nans, infs, zeros):
 
 
 @triton.jit
-def segment_kernel(table, n_segments, partials, DTYPE: tl.constexpr, BLOCK: tl.constexpr,
-                   ALIGNED: tl.constexpr):
+def segment_kernel(table, n_tensors, search_steps, partials, DTYPE: tl.constexpr, SEGMENT: tl.constexpr,
+                   BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+    """One program per segment. `table`: the tensors' addresses [n_tensors], lengths [n_tensors]
+    and first segments [n_tensors + 1] (int64); the program finds its tensor by a binary search
+    of the first segments (`search_steps` = ceil(log2(n_tensors)) halvings)."""
     seg = tl.program_id(0)
-    address = tl.load(table + seg)
-    length = tl.load(table + n_segments + seg)
-    base = address.to(tl.pointer_type(DTYPE))
-    if ALIGNED:  # every address a multiple of 16 bytes (checked on the host): vector loads
+    starts = table + 2 * n_tensors
+    low_t = 0
+    high_t = n_tensors  # starts[low_t] <= seg < starts[high_t]
+    for _ in range(search_steps):
+        mid = (low_t + high_t) // 2
+        right = tl.load(starts + mid) <= seg
+        low_t = tl.where(right, mid, low_t)
+        high_t = tl.where(right, high_t, mid)
+    within = seg - tl.load(starts + low_t)
+    numel = tl.load(table + n_tensors + low_t)
+    length = tl.minimum(numel - within.to(tl.int64) * SEGMENT, SEGMENT)
+    base = tl.load(table + low_t).to(tl.pointer_type(DTYPE))
+    if ALIGNED:  # every tensor's address a multiple of 16 bytes (checked on the host): vector loads
         base = tl.multiple_of(base, 16)
+    base += within.to(tl.int64) * SEGMENT
     lanes = tl.arange(0, BLOCK)
     low = tl.full([BLOCK], float("inf"), tl.float32)
     high = tl.full([BLOCK], float("-inf"), tl.float32)
