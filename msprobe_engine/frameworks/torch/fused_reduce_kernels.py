@@ -19,7 +19,7 @@ def accumulate(x, inside, low, high, total, squares, nans, infs, zeros):
     return low, high, total, squares, nans, infs, zeros
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tensors", "search_steps"])  # no recompiling for a count of 1
 def segment_kernel(table, n_tensors, search_steps, partials, DTYPE: tl.constexpr, SEGMENT: tl.constexpr,
                    BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
     """One program per segment. `table`: the tensors' addresses [n_tensors], lengths [n_tensors]
