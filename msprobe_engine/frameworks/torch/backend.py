@@ -46,6 +46,8 @@ from typing import Any, Sequence, Union
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from msprobe_engine.frameworks.torch import fused_reduce
+
 #: Tensors up to this many elements are batched by size class into padded matrices
 #: (measured on CPU: above ~2k elements three vectorised reductions per tensor are cheaper).
 SMALL_NUMEL = 2048
@@ -125,8 +127,17 @@ def partial_stats(tensors: Sequence[torch.Tensor], count_zeros: bool = False, de
     mid: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
     first_pos: dict[int, int] = {}  # id of a tensor given more than once (x, x, x) -> its first position
     repeats: list[tuple[int, int]] = []
+    # -- fused Triton kernel on CUDA (fused_reduce.py; MSPROBE_FUSED_REDUCE=0 turns it off): the rows of
+    # the float32/16/bf16 tensors it measured, as one block; the torch paths below measure the rest
+    fused = fused_reduce.measure(tensors, count_zeros) if device.type in fused_reduce.DEVICES else None
+    if fused is not None:
+        pending.blocks.append(fused)
+    taken = set(fused[0]) if fused is not None else ()
+    # -- end of the fused kernel's hook
     with torch.no_grad():
         for pos, tensor in enumerate(tensors):
+            if pos in taken:
+                continue
             if tensor.layout != torch.strided or tensor.is_complex():
                 tensor = _values(tensor)  # sparse: its stored values; complex: magnitudes
             numel = tensor.numel()
