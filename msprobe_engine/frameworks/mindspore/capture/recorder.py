@@ -207,8 +207,8 @@ class CellRecorder:
         """Forward hook of a Cell: its forward entry (inputs, output, own parameters)."""
         self._end(key, args, kwargs, output, params, f"forward hook of {key}")
 
-    def api_end(self, key: str, args: tuple, kwargs: dict, output: Any) -> None:
-        """Forward hook of an API: its forward entry (inputs, output)."""
+    def api_end(self, key: str, args: tuple, kwargs: dict, output: Any, func: Any = None) -> None:
+        """Forward hook of an API: its forward entry (inputs, output); `func` (the API) is not needed."""
         if self._api_depth == 0:
             return
         self._api_depth -= 1

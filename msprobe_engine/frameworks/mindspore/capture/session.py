@@ -19,6 +19,10 @@ no ``requires_grad``), tensors are ``.npy`` files, construct.json (L0, mix) give
 enclosing Cell, stack.json (``"stack": true``) each forward call's stack. Statistics are computed
 by the MindSpore backend; torch is never imported. L1 and mix record API calls
 (`capture.apis`) and need PYNATIVE_MODE: in GRAPH_MODE `start` raises `ConfigError`.
+
+The debugger tasks, with PyTorch's config keys (`msprobe_engine.dump.tasks`):
+``overflow_check`` (L0, L1; `capture.overflow`) and ``free_benchmark`` (L1;
+`capture.free_benchmark`), both PyNative only; ``grad_probe`` and ``diff_check`` are refused.
 """
 from __future__ import annotations
 
@@ -32,10 +36,14 @@ import numpy as np
 from msprobe_engine.config.errors import ConfigError
 from msprobe_engine.dump.session import DumpSession, check_names
 from msprobe_engine.dump.tasks import require_support
-from msprobe_engine.dump.writer import array_crc32
+from msprobe_engine.dump.writer import TENSOR_TASKS, array_crc32
 
 log = logging.getLogger("msprobe_engine")
 
+#: the tasks the MindSpore session implements
+MINDSPORE_TASKS = ("statistics", "tensor", "overflow_check", "free_benchmark")
+#: the recorder attribute that `task_results` shows, per task
+RESULTS = {"overflow_check": "overflows", "free_benchmark": "failed"}
 GRAPH_MODE_WARNING = ("msprobe dump: GRAPH_MODE: Cell hooks do not run in a compiled graph, so no Cell "
                       "entries are dumped; use PYNATIVE_MODE (parameter gradients passed to step() are dumped)")
 
@@ -49,7 +57,14 @@ class MindSporePrecisionDebugger(DumpSession):
         """As `PrecisionDebugger`; `params`: the parameters a gradient tuple given to `step`
         follows (default: the net's `trainable_params()`)."""
         super().__init__(*args, **kwargs)
-        require_support(self.config.task, "MindSpore", ("statistics", "tensor"))
+        require_support(self.config.task, "MindSpore", MINDSPORE_TASKS)
+        if self.config.task == "free_benchmark":
+            from msprobe_engine.frameworks.mindspore.capture.free_benchmark import PYTORCH_ONLY
+
+            if self.config.options.pert_mode in PYTORCH_ONLY:
+                raise ConfigError(f"free_benchmark.pert_mode: {self.config.options.pert_mode!r} (with fuzz_device "
+                                  "'cpu') is PyTorch's: MindSpore runs every API on its context's device; use "
+                                  "improve_precision, add_noise, bit_noise, change_value or no_change")
         if self.config.summary_mode == "xor":
             raise ConfigError("summary_mode: 'xor' is not supported on MindSpore yet; use statistics or md5")
         self._params = list(params) if params is not None else None
@@ -57,9 +72,16 @@ class MindSporePrecisionDebugger(DumpSession):
         self._cell_hooks: list[Any] = []  # one DumpCellHooks per hooked net
         self._owners: dict[int, tuple[str, str]] = {}
 
+    @property
+    def task_results(self) -> list:
+        """So far: overflow_check (step, first overflowing call) per step that overflowed;
+        free_benchmark the failing outputs (`ResultRow`); else []."""
+        attribute = RESULTS.get(self.config.task)
+        return list(getattr(self._recorder, attribute)) if attribute and self._recorder is not None else []
+
     def step(self, grads: Any = None) -> None:
         """Close the step; `grads` (optional): its parameter gradients, dumped as parameters_grad."""
-        if grads is not None and self._collected and self._recorder is not None:
+        if grads is not None and self._collected and hasattr(self._recorder, "param_grads"):
             self._recorder.param_grads(self._named_grads(grads))
         super().step()
 
@@ -78,18 +100,31 @@ class MindSporePrecisionDebugger(DumpSession):
         self.rank, world = _rank_and_world()
         self.config.check_ranks(world)
         apis = self.config.level != "L0"
-        if apis and _graph_mode():
-            raise ConfigError(f"level {self.config.level!r} needs PYNATIVE_MODE: the context's mode is GRAPH_MODE, "
-                              "where no API call can be watched; call mindspore.set_context(mode="
-                              "mindspore.PYNATIVE_MODE) before training, or use level L0 (parameter gradients)")
+        task = self.config.task
+        if (apis or task in RESULTS) and _graph_mode():
+            what = f"task {task!r}" if task in RESULTS else f"level {self.config.level!r}"
+            raise ConfigError(f"{what} needs PYNATIVE_MODE: the context's mode is GRAPH_MODE, "
+                              "where no API or Cell call can be watched; call mindspore.set_context(mode="
+                              "mindspore.PYNATIVE_MODE) before training" +
+                              ("" if task in RESULTS else ", or use level L0 (parameter gradients)"))
         missing = missing_interfaces() if apis else []
         if missing:
             raise ConfigError(f"level {self.config.level!r} needs interfaces this MindSpore lacks: "
                               f"{', '.join(missing)}; upgrade MindSpore (2.10 is tested) or use level L0")
         check_names(self.config, cell_keys(model), _Keys(api_keys()) if apis else None)
-        self._recorder = CellRecorder(self.config, mindspore_backend, self._emit_tensors)
+        if task == "free_benchmark":
+            from msprobe_engine.frameworks.mindspore.capture.free_benchmark import MindSporeFreeBenchmark
+
+            self._recorder = MindSporeFreeBenchmark(self.config, self.rank, self.writer)
+        elif task == "overflow_check":
+            from msprobe_engine.frameworks.mindspore.capture.overflow import OverflowCellRecorder
+
+            self._recorder = OverflowCellRecorder(self.config, mindspore_backend, self._emit_tensors)
+        else:
+            self._recorder = CellRecorder(self.config, mindspore_backend, self._emit_tensors)
         if apis:
-            self._apis = ApiHooks(self._recorder, self._recorder.gate, backward=self._recorder.sel.backward)
+            self._apis = ApiHooks(self._recorder, self._recorder.gate,
+                                  backward=self._recorder.sel.backward and task != "free_benchmark")
             self._hooks.append(self._apis)
         self._hook_model(model)
 
@@ -99,6 +134,10 @@ class MindSporePrecisionDebugger(DumpSession):
         if _graph_mode():
             log.warning(GRAPH_MODE_WARNING)
         sel = self._recorder.sel
+        if self.config.task == "free_benchmark":  # APIs only: no Cell hook
+            self._apis.hook_primitives(model)
+            self._hooked.add(id(model))
+            return
         cells = DumpCellHooks(self._recorder, model, backward=sel.backward, cells=sel.modules)
         self._hooks.append(cells)
         self._cell_hooks.append(cells)
@@ -128,7 +167,7 @@ class MindSporePrecisionDebugger(DumpSession):
             self._apis.route_primitives(False)
 
     def _tensor_writers(self) -> tuple[Any, Any]:
-        return (_save_npy if self.config.task == "tensor" else None,
+        return (_save_npy if self.config.task in TENSOR_TASKS else None,
                 array_crc32 if self.config.summary_mode == "md5" else None)
 
     # ---- gradients ------------------------------------------------------------------------
