@@ -1,7 +1,7 @@
 """The training-thread side of the MindSpore dump (L0): Cell calls -> entry skeletons.
 
 Names as the reference writes them for MindSpore: ``Cell.<path>.<Class>.forward.<n>``,
-``.backward.<n>``, ``.parameters_grad``; counters restart every step and count every call
+``.backward.<n>``, ``.parameters_grad.0`` (1.x format: ``.parameters_grad``); counters restart every step and count every call
 made while collecting, dumped or not (`dump.select` decides, as for PyTorch).
 
 Tensors are not measured in the hooks: each gets a row and waits; the rows are computed by
@@ -270,7 +270,7 @@ class CellRecorder:
         """Parameter gradients of the step: (``Cell.<path>.<Class>``, local name, gradient)."""
         with self._guard("parameter gradients"):
             for key, name, grad in named:
-                entry_name = f"{key}.parameters_grad"
+                entry_name = self._param_grad_name(key)
                 if key not in self._ran:
                     continue  # the Cell did not run while collecting in this step
                 want = self.sel.want(key, entry_name, entry_name)
@@ -278,6 +278,14 @@ class CellRecorder:
                     grads = self.entries.setdefault(entry_name, {}).setdefault(name, [])
                     suffix = f".{len(grads)}" if grads else ""
                     grads.append(self._slot(grad, f"{entry_name}.{name}{suffix}"))
+
+    def _param_grad_name(self, key: str) -> str:
+        """``<key>.parameters_grad.0`` as the predecessor's MindSpore dump (26.2) names a Cell's
+        gradients of a step (its counter counts gradient passes; `step(grads)` is one pass);
+        ``<key>.parameters_grad`` in its 1.x format."""
+        if self.config.predecessor_format == "1.x":
+            return f"{key}.parameters_grad"
+        return f"{key}.parameters_grad.0"
 
     def _add(self, name: str, entry: dict, parent: str | None) -> None:
         self.entries[name] = entry
