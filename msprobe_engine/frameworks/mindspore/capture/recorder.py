@@ -254,7 +254,14 @@ class CellRecorder:
                 entry["output"] = self._grads(grad_input, f"{backward}.output")
             self._add(backward, entry, parent)
 
-    api_backward = cell_backward
+    def api_backward(self, key: str, grad_input: Any, grad_output: Any) -> None:
+        """Backward hook of an API. A Primitive's input gradients are recorded last argument first,
+        as the predecessor records them (one gradient hook per input, called in that order), so
+        that its compare pairs them position by position (an input that needs no gradient, such
+        as the data entering the first layer, is recorded too: last)."""
+        if key.startswith("Primitive."):
+            grad_input = tuple(reversed(_as_list(grad_input)))
+        self.cell_backward(key, grad_input, grad_output)
 
     def _grads(self, grads: Any, name: str) -> list:
         return [self._slot(g, f"{name}.{i}") if isinstance(g, Tensor) else None
