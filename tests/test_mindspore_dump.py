@@ -200,7 +200,7 @@ def test_an_l1_dump_records_primitives_functions_and_tensor_methods_with_their_g
     assert mul["input_args"][1] == {"type": "float", "value": 0.5}
     backward = dump.data["Primitive.matmul.MatMul.0.backward"]  # d(loss)/d(output), then per input
     assert [r["shape"] for r in backward["input"]] == [[5, 8]]
-    assert [r["shape"] for r in backward["output"]] == [[5, 6], [8, 6]]
+    assert [r["shape"] for r in backward["output"]] == [[8, 6], [5, 6]]  # last argument first, as the predecessor
     stacks = stack_by_entry(json.loads((dump.path / "stack.json").read_text()))  # grouped, as the predecessor writes it
     assert set(stacks) == set(forward)
     assert any("test_mindspore_dump.py" in frame and "ops.relu" in frame for frame in stacks["Functional.relu.0.forward"])
