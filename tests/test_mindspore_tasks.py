@@ -249,3 +249,63 @@ def test_tasks_run_without_torch(tmp_path):
                             timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "2 passed" in result.stdout
+
+
+# ---- grad_probe --------------------------------------------------------------------------------
+
+def probe_run(tmp_path, steps=3, top=None, **section):
+    """`steps` Adam steps under grad_probe (monitor(optimizer)); the gradients each step applied."""
+    net = made(Net)
+    opt = nn.Adam(net.trainable_params(), learning_rate=0.01)
+    x = Tensor(np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32))
+    y = Tensor(np.ones((8, 2), np.float32))
+    grad_fn = ms.value_and_grad(lambda: nn.MSELoss()(net(x), y), None, opt.parameters)
+    debugger = MindSporePrecisionDebugger({"task": "grad_probe", "dump_path": str(tmp_path), "strict": True,
+                                           "grad_probe": section, **(top or {})})
+    debugger.monitor(opt)
+    applied = []
+    for _ in range(steps):
+        _, grads = grad_fn()
+        applied.append({p.name: g.asnumpy() for p, g in zip(opt.parameters, grads)})
+        opt(grads)
+    debugger.close()
+    assert not debugger.hook_errors
+    return debugger, applied
+
+
+def test_grad_probe_writes_the_predecessors_files_from_the_gradients_the_optimizer_applies(tmp_path):
+    debugger, applied = probe_run(tmp_path, grad_level="L2", bounds=[-0.01, 0, 0.01], param_list=["fc1.weight",
+                                                                                                   "fc2.bias"])
+    assert debugger.transfers == 3 and debugger._recorder.steps_written == 3
+    for step, grads in enumerate(applied):
+        with open(tmp_path / "rank0" / f"grad_summary_{step}.csv", newline="") as f:
+            rows = list(csv.reader(f))
+        assert rows[0] == ["param_name", "(-inf, -0.01]", "(-0.01, 0]", "(0, 0.01]", "(0.01, inf)", "=0",
+                           "max", "min", "norm", "shape"]
+        assert [r[0] for r in rows[1:]] == ["fc1.weight", "fc2.bias"]
+        for row in rows[1:]:
+            g = grads[row[0]].astype(np.float64)
+            shares = [np.mean(g <= -0.01), np.mean((g > -0.01) & (g <= 0)), np.mean((g > 0) & (g <= 0.01)),
+                      np.mean(g > 0.01), np.mean(g == 0)]
+            np.testing.assert_allclose([float(v) for v in row[1:6]], shares, atol=1e-12)
+            np.testing.assert_allclose([float(v) for v in row[6:9]], [g.max(), g.min(), np.linalg.norm(g)],
+                                       rtol=1e-6)
+            assert json.loads(row[9]) == list(g.shape)
+            direction = np.load(tmp_path / "rank0" / f"step{step}" / f"{row[0]}.npy")
+            np.testing.assert_array_equal(direction, g > 0)
+
+
+def test_grad_probe_step_selection_and_bad_input(tmp_path):
+    probe_run(tmp_path / "some", top={"step": [0, 2]}, grad_level="L0")
+    assert sorted(p.name for p in (tmp_path / "some" / "rank0").iterdir()) == [
+        "grad_summary_0.csv", "grad_summary_2.csv"]  # optimizer steps 0 and 2; L0: no directions
+    with open(tmp_path / "some" / "rank0" / "grad_summary_2.csv", newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["param_name", "MD5", "max", "min", "norm", "shape"] and len(rows) == 5  # every parameter
+    debugger = MindSporePrecisionDebugger({"task": "grad_probe", "dump_path": str(tmp_path / "bad"),
+                                           "grad_probe": {"param_list": ["fc1.weigth"]}})
+    net = made(Net)
+    with pytest.raises(ConfigError, match="has no parameter 'fc1.weigth' \\(did you mean 'fc1.weight'\\?\\)"):
+        debugger.monitor(nn.Adam(net.trainable_params()))
+    with pytest.raises(ConfigError, match="watches the optimizer"):
+        MindSporePrecisionDebugger({"task": "grad_probe", "dump_path": str(tmp_path / "net")}).monitor(net)

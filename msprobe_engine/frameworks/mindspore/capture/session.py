@@ -21,8 +21,9 @@ by the MindSpore backend; torch is never imported. L1 and mix record API calls
 (`capture.apis`) and need PYNATIVE_MODE: in GRAPH_MODE `start` raises `ConfigError`.
 
 The debugger tasks, with PyTorch's config keys (`msprobe_engine.dump.tasks`):
-``overflow_check`` (L0, L1; `capture.overflow`) and ``free_benchmark`` (L1;
-`capture.free_benchmark`), both PyNative only; ``grad_probe`` and ``diff_check`` are refused.
+``overflow_check`` (L0, L1; `capture.overflow`), ``free_benchmark`` (L1;
+`capture.free_benchmark`) and ``grad_probe`` (``debugger.monitor(optimizer)``;
+`frameworks.mindspore.grad_probe`), all PyNative only; ``diff_check`` is refused.
 """
 from __future__ import annotations
 
@@ -41,7 +42,9 @@ from msprobe_engine.dump.writer import TENSOR_TASKS, array_crc32
 log = logging.getLogger("msprobe_engine")
 
 #: the tasks the MindSpore session implements
-MINDSPORE_TASKS = ("statistics", "tensor", "overflow_check", "free_benchmark")
+MINDSPORE_TASKS = ("statistics", "tensor", "overflow_check", "free_benchmark", "grad_probe")
+#: the tasks that need PYNATIVE_MODE at any level (their hooks do not run in a compiled graph)
+PYNATIVE_TASKS = ("overflow_check", "free_benchmark", "grad_probe")
 #: the recorder attribute that `task_results` shows, per task
 RESULTS = {"overflow_check": "overflows", "free_benchmark": "failed"}
 GRAPH_MODE_WARNING = ("msprobe dump: GRAPH_MODE: Cell hooks do not run in a compiled graph, so no Cell "
@@ -79,6 +82,14 @@ class MindSporePrecisionDebugger(DumpSession):
         attribute = RESULTS.get(self.config.task)
         return list(getattr(self._recorder, attribute)) if attribute and self._recorder is not None else []
 
+    def monitor(self, optimizer: Any) -> None:
+        """grad_probe (the predecessor's MindSpore call): probe the gradients `optimizer` applies
+        at each of its steps (no start/stop/step needed; `close()` at the end)."""
+        if self.config.task != "grad_probe":
+            raise ConfigError(f"monitor(optimizer) is the grad_probe task's call; this config's task is "
+                              f"{self.config.task!r}")
+        self.start(optimizer)
+
     def step(self, grads: Any = None) -> None:
         """Close the step; `grads` (optional): its parameter gradients, dumped as parameters_grad."""
         if grads is not None and self._collected and hasattr(self._recorder, "param_grads"):
@@ -94,19 +105,27 @@ class MindSporePrecisionDebugger(DumpSession):
         from msprobe_engine.frameworks.mindspore.capture.cells import cell_keys
         from msprobe_engine.frameworks.mindspore.capture.recorder import CellRecorder
 
+        task = self.config.task
         if not isinstance(model, nn.Cell):
-            raise ConfigError(f"the MindSpore dump watches a net: pass it (a mindspore.nn.Cell) to start(net), "
+            what = "an optimizer: monitor(optimizer)" if task == "grad_probe" else "a net: pass it to start(net)"
+            raise ConfigError(f"the MindSpore {task} session watches {what} (a mindspore.nn.Cell), "
                               f"got {type(model).__name__}")
         self.rank, world = _rank_and_world()
         self.config.check_ranks(world)
-        apis = self.config.level != "L0"
-        task = self.config.task
-        if (apis or task in RESULTS) and _graph_mode():
-            what = f"task {task!r}" if task in RESULTS else f"level {self.config.level!r}"
+        apis = self.config.level != "L0" and task != "grad_probe"
+        if (apis or task in PYNATIVE_TASKS) and _graph_mode():
+            what = f"task {task!r}" if task in PYNATIVE_TASKS else f"level {self.config.level!r}"
             raise ConfigError(f"{what} needs PYNATIVE_MODE: the context's mode is GRAPH_MODE, "
                               "where no API or Cell call can be watched; call mindspore.set_context(mode="
                               "mindspore.PYNATIVE_MODE) before training" +
-                              ("" if task in RESULTS else ", or use level L0 (parameter gradients)"))
+                              ("" if task in PYNATIVE_TASKS else ", or use level L0 (parameter gradients)"))
+        if task == "grad_probe":
+            from msprobe_engine.frameworks.mindspore.grad_probe import MindSporeGradProbe
+
+            self._recorder = MindSporeGradProbe(self.config, self.rank, self.writer)
+            self._hooks.append(self._recorder)
+            self._hook_model(model)
+            return
         missing = missing_interfaces() if apis else []
         if missing:
             raise ConfigError(f"level {self.config.level!r} needs interfaces this MindSpore lacks: "
@@ -131,6 +150,10 @@ class MindSporePrecisionDebugger(DumpSession):
     def _hook_model(self, model: Any) -> None:
         from msprobe_engine.frameworks.mindspore.capture.cells import DumpCellHooks, parameter_owners
 
+        if self.config.task == "grad_probe":
+            self._recorder.watch(model)
+            self._hooked.add(id(model))
+            return
         if _graph_mode():
             log.warning(GRAPH_MODE_WARNING)
         sel = self._recorder.sel
