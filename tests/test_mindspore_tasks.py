@@ -21,6 +21,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from mindspore import Parameter, Tensor, nn, ops  # noqa: E402
 
+from msprobe_engine.analysis import analyze  # noqa: E402
 from msprobe_engine.cli import main  # noqa: E402
 from msprobe_engine.config.errors import ConfigError  # noqa: E402
 from msprobe_engine.dump.free_benchmark_files import RESULT_CSV  # noqa: E402
@@ -130,6 +131,8 @@ def test_overflow_check_dumps_only_the_first_call_whose_output_holds_nan(tmp_pat
     np.testing.assert_array_equal(np.isnan(output), argument < 0)
     summary = json.loads((dump.dump_json.parent / "overflow_summary.json").read_text())
     assert summary == {"step": 1, "overflow_nums": 1, "first_overflow": first, "overflowed": [first]}
+    (result,) = analyze(dump.dump_json.parent)  # `msprobe-engine analyze` (the predecessor's is PyTorch-only)
+    assert result.first_critical.entry == first
 
 
 def test_overflow_nums_minus_one_dumps_every_overflowing_entry_and_never_the_clean_ones(tmp_path):
