@@ -2,8 +2,9 @@
 
 overflow_check: a net whose ``ops.log`` gets a negative input on purpose in step 1 (nan);
 free_benchmark: the variance of values far from their mean (perturbation-sensitive) next to
-relu, add and the Dense primitives (stable). `test_tasks_run_without_torch` runs the first
-test of each task again in a process where importing torch fails (no tests/conftest.py).
+relu, add and the Dense primitives (stable); grad_probe: the gradients an Adam applies, against
+numpy. `test_tasks_run_without_torch` runs the first test of each task again in a process
+where importing torch fails (no tests/conftest.py).
 """
 from __future__ import annotations
 
@@ -229,12 +230,16 @@ def test_tasks_need_pynative_mode(tmp_path):
             debugger = MindSporePrecisionDebugger(config)
             with pytest.raises(ConfigError, match=f"task '{config['task']}' needs PYNATIVE_MODE"):
                 debugger.start(made(Net))
+        debugger = MindSporePrecisionDebugger({"task": "grad_probe", "dump_path": str(tmp_path)})
+        with pytest.raises(ConfigError, match="task 'grad_probe' needs PYNATIVE_MODE"):
+            debugger.monitor(nn.Adam(made(Net).trainable_params()))
     finally:
         ms.set_context(mode=ms.PYNATIVE_MODE)
 
 
 def test_tasks_run_without_torch(tmp_path):
-    """The first overflow_check and free_benchmark tests again, in a process where `import torch` fails."""
+    """The first overflow_check, free_benchmark and grad_probe tests again, in a process where
+    `import torch` fails."""
     script = textwrap.dedent("""
         import sys
         class NoTorch:
@@ -244,14 +249,14 @@ def test_tasks_run_without_torch(tmp_path):
         sys.meta_path.insert(0, NoTorch())
         import pytest
         code = pytest.main(["-q", "-p", "no:cacheprovider", "--noconftest", "-k",
-                            "L1 or flags_the_unstable", sys.argv[1]])
+                            "L1 or flags_the_unstable or predecessors_files", sys.argv[1]])
         assert "torch" not in sys.modules
         sys.exit(code)
     """)
     result = subprocess.run([sys.executable, "-c", script, __file__], cwd=tmp_path, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "2 passed" in result.stdout
+    assert "3 passed" in result.stdout
 
 
 # ---- grad_probe --------------------------------------------------------------------------------
