@@ -317,3 +317,23 @@ def test_grad_probe_step_selection_and_bad_input(tmp_path):
         debugger.monitor(nn.Adam(net.trainable_params()))
     with pytest.raises(ConfigError, match="watches the optimizer"):
         MindSporePrecisionDebugger({"task": "grad_probe", "dump_path": str(tmp_path / "net")}).monitor(net)
+
+
+def test_grad_probe_under_model_train(tmp_path):
+    import mindspore.dataset as ds
+    from mindspore.train import Model
+
+    net = made(Net)
+    opt = nn.Adam(net.trainable_params(), learning_rate=0.01)
+    rng = np.random.default_rng(0)
+    data = [(rng.standard_normal((3, 4)).astype(np.float32), rng.standard_normal((3, 2)).astype(np.float32))
+            for _ in range(3)]
+    debugger = MindSporePrecisionDebugger({"task": "grad_probe", "dump_path": str(tmp_path), "strict": True})
+    debugger.monitor(opt)  # the optimizer is called inside the train network
+    Model(net, nn.MSELoss(), opt).train(1, ds.GeneratorDataset(lambda: iter(data), ["x", "y"], shuffle=False),
+                                        dataset_sink_mode=False)
+    debugger.close()
+    assert sorted(p.name for p in (tmp_path / "rank0").glob("grad_summary_*.csv")) == [
+        "grad_summary_0.csv", "grad_summary_1.csv", "grad_summary_2.csv"]
+    assert main(["grad-probe", str(tmp_path), "-o", str(tmp_path / "similarities")]) == 0  # the verb reads them
+    assert (tmp_path / "similarities" / "rank0" / "similarities.csv").is_file()
