@@ -1,7 +1,7 @@
 """Our MindSpore dumps against the predecessor's (mindstudio-probe 26.2.0) MindSpore dumps, both ways.
 
 The same net, seed and batch, one step (forward, backward, Adam) in PyNative on CPU, dumped at
-L0 and L1 by the predecessor's `msprobe.mindspore.PrecisionDebugger` and by ours, each in a
+L0 and L1 (statistics) and L1 (tensor) by the predecessor's `msprobe.mindspore.PrecisionDebugger` and by ours, each in a
 child process (the predecessor patches MindSpore process-wide; ours runs with torch blocked).
 The predecessor's MindSpore statistics call `mint.norm`, whose kernel (LinalgVectorNorm) is not
 registered on MindSpore's CPU backend: its child gives the predecessor's statistics module a
@@ -23,6 +23,8 @@ pytestmark = pytest.mark.slow
 TESTS = Path(__file__).resolve().parent
 MSPROBE = Path(sys.executable).parent / "msprobe"
 LEVELS = ("L0", "L1")
+#: (level, task) of every dump made on each side; "T": the L1 tensor dump
+DUMPS = {"L0": ("L0", "statistics"), "L1": ("L1", "statistics"), "T": ("L1", "tensor")}
 
 _NET = """
 import mindspore as ms
@@ -110,17 +112,15 @@ def dumps(tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS.parent)}
     children, out = {}, {}
     for side, script in (("theirs", _THEIRS), ("ours", _OURS)):
-        for level in LEVELS:
-            path = root / f"{side}_{level}"
-            config = root / f"{side}_{level}.json"
-            config.write_text(json.dumps({"task": "statistics", "dump_path": str(path), "rank": [], "step": [],
-                                          "level": level, "statistics": {"scope": [], "list": [],
-                                                                         "data_mode": ["all"],
-                                                                         "summary_mode": "statistics"}}))
-            children[side, level] = subprocess.Popen(
+        for name, (level, task) in DUMPS.items():
+            path = root / f"{side}_{name}"
+            config = root / f"{side}_{name}.json"
+            config.write_text(json.dumps({"task": task, "dump_path": str(path), "rank": [], "step": [],
+                                          "level": level, task: {"scope": [], "list": [], "data_mode": ["all"]}}))
+            children[side, name] = subprocess.Popen(
                 [sys.executable, "-c", script.format(config=str(config))], cwd=root, env=env,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            out[side, level] = path / "step0"
+            out[side, name] = path / "step0"
     for key, child in children.items():
         log, _ = child.communicate(timeout=300)
         assert child.returncode == 0, f"{key} failed:\n{log[-3000:]}"
@@ -173,3 +173,10 @@ def test_our_compare_pairs_its_mindspore_dump_with_ours(dumps, level):
     failing = [(r["entry_a"], r["tensor"]) for r in comparison.rows if r["status"] not in ("pass", "unmatched")]
     assert failing == ([] if level == "L0" else [(OURS_ONLY.rsplit(".", 2)[0], "output.1")])
     assert rank.counts["pass"] >= 19
+
+
+def test_its_compare_of_our_tensor_dump_with_its_own_is_bitwise_equal(dumps, tmp_path):
+    table = _their_compare(dumps["ours", "T"], dumps["theirs", "T"], tmp_path / "tensor")
+    paired = table[table["Bench Name"].notna() & (table["NPU Tensor Shape"] != "[]")]  # its cosine: not for scalars
+    assert len(paired) >= 45 and set(table["Result"]) == {"pass"}
+    assert (paired["Cosine"].astype(float) == 1.0).all() and (paired["MaxAbsErr"].astype(float) == 0.0).all()
