@@ -1,5 +1,9 @@
 """Overhead of the MindSpore dump (PyNative, CPU): L0, L1 and mix statistics dumps of every step,
-and L0 and mix sessions that are installed but not dumping (a step outside their `step` list).
+L0 and mix sessions that are installed but not dumping (a step outside their `step` list), and
+the debugger tasks overflow_check (L1, a clean run: nothing written), free_benchmark (L1,
+check, improve_precision: every API call run again in float64) and grad_probe (L1:
+statistics and directions of every gradient at every optimizer step; `monitor(optimizer)`,
+no start/stop/step).
 
 Copies of the same network (the 4-layer MLP of bench/mindspore_overhead.py, Adam, batch 32)
 train side by side in one process, one `value_and_grad` step of each in turn, in a rotating
@@ -36,7 +40,9 @@ from mindspore_overhead import BATCH, make_net  # noqa: E402  (the same network)
 from msprobe_engine.frameworks.mindspore.capture.session import MindSporePrecisionDebugger  # noqa: E402
 
 CONFIGS = {"L0": {"level": "L0"}, "L1": {"level": "L1"}, "mix": {"level": "mix"},
-           "L0 idle": {"level": "L0", "step": [10 ** 9]}, "mix idle": {"level": "mix", "step": [10 ** 9]}}
+           "L0 idle": {"level": "L0", "step": [10 ** 9]}, "mix idle": {"level": "mix", "step": [10 ** 9]},
+           "overflow L1": {"task": "overflow_check", "level": "L1"},
+           "fuzz L1": {"task": "free_benchmark", "level": "L1"}, "grad_probe L1": {"task": "grad_probe"}}
 
 
 def train_step() -> tuple[nn.Cell, nn.Optimizer, object]:
@@ -63,14 +69,18 @@ def main() -> None:
     batches = make_batches()
     out = Path(tempfile.mkdtemp(prefix="msprobe-ms-dump-bench-"))
     runs = {name: (*train_step(), None if name not in CONFIGS else MindSporePrecisionDebugger(
-        task="statistics", dump_path=str(out / name.replace(" ", "_")), **CONFIGS[name]), [])
+        {"task": "statistics", "dump_path": str(out / name.replace(" ", "_")), **CONFIGS[name]}), [])
         for name in ["no tool", *CONFIGS]}
+    for net, opt, _, debugger, _ in runs.values():
+        if debugger is not None and debugger.config.task == "grad_probe":
+            debugger.monitor(opt)
     names = list(runs)
     for i in range(args.steps + args.warmup):
         x, y = batches[i % len(batches)]
         shift = i % len(names)
         for name in names[shift:] + names[:shift]:
-            net, opt, grad_fn, debugger, times = runs[name]
+            net, opt, grad_fn, session, times = runs[name]
+            debugger = None if session is None or session.config.task == "grad_probe" else session
             start = time.perf_counter()
             if debugger is not None:
                 debugger.start(net)
@@ -82,8 +92,8 @@ def main() -> None:
             loss.asnumpy()
             if i >= args.warmup:
                 times.append(time.perf_counter() - start)
-            if debugger is not None:
-                debugger.flush()  # untimed: the writer thread must not run into the next config's step
+            if session is not None:
+                session.flush()  # untimed: the writer thread must not run into the next config's step
     for *_, debugger, _ in reversed(list(runs.values())):  # the interceptions are undone in reverse order
         if debugger is not None:
             debugger.close()
@@ -91,7 +101,7 @@ def main() -> None:
     base = medians.pop("no tool")
     print(f"median step time without the tool: {base * 1e3:.2f} ms (batch {BATCH}, {args.steps} steps, "
           f"PyNative CPU, load {os.getloadavg()[0]:.1f})")
-    print("\n".join(f"{name:10s} {median * 1e3:8.2f} ms  x{median / base:.3f}" for name, median in medians.items()))
+    print("\n".join(f"{name:12s} {median * 1e3:8.2f} ms  x{median / base:.3f}" for name, median in medians.items()))
     print(json.dumps({name: round(median / base, 3) for name, median in medians.items()}))
 
 if __name__ == "__main__":

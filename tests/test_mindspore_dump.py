@@ -63,14 +63,14 @@ def test_a_statistics_dump_has_the_reference_mindspore_format_and_reads_back(tmp
     assert (doc["task"], doc["level"], doc["framework"]) == ("statistics", "L0", "mindspore")
     names = list(doc["data"])
     assert names[:4] == ["Cell.fc1.Dense.forward.0", "Cell.act.Tanh.forward.0", POISON, "Cell.fc2.Dense.forward.0"]
-    assert {"Cell.fc2.Dense.backward.0", "Cell.fc1.Dense.parameters_grad", "Cell.fc2.Dense.parameters_grad"} <= set(names)
+    assert {"Cell.fc2.Dense.backward.0", "Cell.fc1.Dense.parameters_grad.0", "Cell.fc2.Dense.parameters_grad.0"} <= set(names)
     for ref in iter_dump_tensors(doc):
         assert ref.record["type"] == "mindspore.Tensor" and ref.record["dtype"] == "Float32"
         assert "requires_grad" not in ref.record and "data_name" not in ref.record
     fc1 = doc["data"]["Cell.fc1.Dense.forward.0"]
     x, weight, grads = seen[1]
     for record, values in [(fc1["input_args"][0], x), (fc1["parameters"]["weight"], weight),  # before the update
-                           (doc["data"]["Cell.fc1.Dense.parameters_grad"]["weight"][0], grads[0])]:
+                           (doc["data"]["Cell.fc1.Dense.parameters_grad.0"]["weight"][0], grads[0])]:
         want = finalize(reference_partial(values))
         assert record["shape"] == list(values.shape)
         assert (record["Max"], record["Min"]) == (float(want["max"]), float(want["min"]))
@@ -98,8 +98,8 @@ def test_tensor_task_writes_npy_files_equal_to_the_mindspore_tensors(tmp_path):
     assert refs["input_args.0"].record["data_name"] == "Cell.fc1.Dense.forward.0.input.0.npy"
     np.testing.assert_array_equal(dump.load_tensor(refs["input_args.0"]), x)
     np.testing.assert_array_equal(dump.load_tensor(refs["parameters.weight"]), weight)
-    grad_ref = refs[("Cell.fc1.Dense.parameters_grad", "parameters_grad.weight.0")]
-    assert grad_ref.record["data_name"] == "Cell.fc1.Dense.parameters_grad.weight.npy"
+    grad_ref = refs[("Cell.fc1.Dense.parameters_grad.0", "parameters_grad.weight.0")]
+    assert grad_ref.record["data_name"] == "Cell.fc1.Dense.parameters_grad.0.weight.npy"
     np.testing.assert_array_equal(dump.load_tensor(grad_ref), grads[0])
     assert all(dump.tensor_file(ref).suffix == ".npy" for ref in iter_dump_tensors({"data": dump.data}))
 
@@ -139,7 +139,7 @@ def test_dtype_strings_bool_statistics_and_bfloat16_files(tmp_path):
 def test_md5_and_config_errors(tmp_path):
     run_dump(tmp_path, steps=1, statistics={"summary_mode": "md5", "list": ["Cell.fc1.Dense"]}, step=[0])
     data = load_dump(tmp_path)[(0, None)].data
-    assert set(data) == {"Cell.fc1.Dense.forward.0", "Cell.fc1.Dense.backward.0", "Cell.fc1.Dense.parameters_grad"}
+    assert set(data) == {"Cell.fc1.Dense.forward.0", "Cell.fc1.Dense.backward.0", "Cell.fc1.Dense.parameters_grad.0"}
     assert all(len(ref.record["md5"]) == 8 for ref in iter_dump_tensors({"data": data}))
     debugger = MindSporePrecisionDebugger(dump_path=str(tmp_path), level="L0",
                                           statistics={"scope": ["Cell.nope.Dense.forward.0", POISON]})
@@ -200,7 +200,7 @@ def test_an_l1_dump_records_primitives_functions_and_tensor_methods_with_their_g
     assert mul["input_args"][1] == {"type": "float", "value": 0.5}
     backward = dump.data["Primitive.matmul.MatMul.0.backward"]  # d(loss)/d(output), then per input
     assert [r["shape"] for r in backward["input"]] == [[5, 8]]
-    assert [r["shape"] for r in backward["output"]] == [[5, 6], [8, 6]]
+    assert [r["shape"] for r in backward["output"]] == [[8, 6], [5, 6]]  # last argument first, as the predecessor
     stacks = stack_by_entry(json.loads((dump.path / "stack.json").read_text()))  # grouped, as the predecessor writes it
     assert set(stacks) == set(forward)
     assert any("test_mindspore_dump.py" in frame and "ops.relu" in frame for frame in stacks["Functional.relu.0.forward"])

@@ -138,9 +138,9 @@ def test_cells_pair_with_modules_forward_backward_and_parameter_gradients(tmp_pa
         ("Cell.fc1.Dense.forward.0", "Module.fc1.Linear.forward.0"),
         ("Cell.norm.LayerNorm.backward.0", "Module.norm.LayerNorm.backward.0"),
         ("Cell.body.SequentialCell.forward.0", "Module.body.Sequential.forward.0"),
-        ("Cell.body.0.Dense.parameters_grad", "Module.body.0.Linear.parameters_grad.0"),
+        ("Cell.body.0.Dense.parameters_grad.0", "Module.body.0.Linear.parameters_grad.0"),
         ("Cell.body.1.ReLU.backward.0", "Module.body.1.ReLU.backward.0")})
-    labels = {r["tensor"] for r in comparison.rows if r["entry_a"] == "Cell.norm.LayerNorm.parameters_grad"}
+    labels = {r["tensor"] for r in comparison.rows if r["entry_a"] == "Cell.norm.LayerNorm.parameters_grad.0"}
     assert labels == {"parameters_grad.weight.0", "parameters_grad.bias.0"}  # gamma/beta under torch's names
     rows = comparison.rows
     assert len(rows) > 30 and all(r["Norm_a"] is not None and r["Norm_b"] is not None for r in rows)

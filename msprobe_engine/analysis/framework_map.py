@@ -112,7 +112,7 @@ def canonical_name(name: str, framework: str) -> str:
     if entry.prefix == "Cell":
         target = _cell_target(entry.target)
         if entry.phase == "parameters_grad":
-            return f"Module.{target}.parameters_grad"
+            return f"Module.{target}.parameters_grad" + ("" if entry.counter is None else f".{entry.counter}")
         return f"Module.{target}.{entry.phase}.{entry.counter}"
     if entry.prefix == "Primitive":
         return name

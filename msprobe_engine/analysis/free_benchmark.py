@@ -43,7 +43,7 @@ def summarize(root: Path | str) -> list[ApiFailures]:
             for row in csv.DictReader(f):
                 try:
                     name, rel = row["api_name"], abs(float(row["max_rel"]))
-                    step, rank = int(row["step"]), int(row["rank"])
+                    step, rank = int(row["step"]), int(row["rank"] or 0)  # MindSpore's: empty outside distributed runs
                 except (KeyError, ValueError) as exc:
                     raise ValueError(f"{path}: not a free_benchmark result file ({exc})") from None
                 api = name.rsplit(".", 2)[0]

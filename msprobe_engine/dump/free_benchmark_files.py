@@ -9,14 +9,16 @@ here equal outputs give exactly 1.)
 
 Check mode writes the outputs that fail, one row each, to ``step<N>/<rank dir>/free_benchmark.csv``:
 ``rank, pert_mode, stage, step, api_name, max_rel, dtype, shape, output_index`` (max_rel =
-ratio - 1; output_index empty for a single output).
+ratio - 1; output_index empty for a single output; MindSpore's file names the second column
+``pert_type``, as the predecessor's MindSpore side does). `Judge` turns a step's ratios into
+those rows (thresholds, preheat), the same for every framework.
 """
 from __future__ import annotations
 
 import csv
-from dataclasses import astuple, dataclass, fields
+from dataclasses import astuple, dataclass, field, fields
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from msprobe_engine.dump.writer import rank_dir_name
 
@@ -31,7 +33,7 @@ BACKWARD_TOL = 1e-3
 @dataclass
 class ResultRow:
     """One output that failed the comparison (the predecessor's columns, in its order)."""
-    rank: int
+    rank: int | None
     pert_mode: str
     stage: str
     step: int
@@ -56,8 +58,55 @@ def passes(ratio: float, limit: float) -> bool:
     return ratio != ratio or 1 / limit <= ratio <= limit
 
 
-def write_results(dump_path: Path, step: int, rank: int | None, rows: Sequence[ResultRow]) -> Path:
-    """Append `rows` to the step's result file (created with its header)."""
+@dataclass(frozen=True)
+class Compared:
+    """One output compared in a step, waiting for its ratio: `dtype` is the framework-neutral
+    name (``float32``) that picks the threshold, `dtype_label` and `shape` what the CSV shows."""
+    name: str
+    stage: str
+    dtype: str
+    dtype_label: str
+    shape: str
+    index: int | None
+
+
+@dataclass
+class Judge:
+    """A free_benchmark run's verdicts: per step, the ratios of its compared outputs -> the failing rows.
+
+    With ``if_preheat`` the first ``preheat_step`` steps only sample (at most ``max_sample``
+    outputs per API) and each API's threshold becomes the largest of its dtype threshold and
+    the ratios sampled."""
+    options: Any                      # FreeBenchmarkOptions
+    rank: int | None                  # what the rank column shows
+    failed: list[ResultRow] = field(default_factory=list)   # every failing output so far
+    compared: int = 0                 # outputs judged so far (not counting preheat samples)
+    _limits: dict[str, float] = field(default_factory=dict)
+    _samples: dict[str, int] = field(default_factory=dict)
+
+    def rows(self, step: int, compared: Sequence[Compared], ratios: Sequence[float]) -> list[ResultRow]:
+        """The failing outputs of `step` (also appended to `failed`)."""
+        rows = []
+        for item, value in zip(compared, ratios):
+            key = item.name.rsplit(".", 2)[0]
+            limit = max(threshold(item.dtype, self.options.pert_mode), self._limits.get(key, 0.0))
+            if self.options.if_preheat and step < self.options.preheat_step:
+                if self._samples.get(key, 0) < self.options.max_sample:
+                    self._samples[key] = self._samples.get(key, 0) + 1
+                    self._limits[key] = max(self._limits.get(key, 0.0), value)
+                continue
+            self.compared += 1
+            if not passes(value, limit):
+                rows.append(ResultRow(self.rank, self.options.pert_mode, item.stage, step, item.name, value - 1,
+                                      item.dtype_label, item.shape, item.index))
+        self.failed.extend(rows)
+        return rows
+
+
+def write_results(dump_path: Path, step: int, rank: int | None, rows: Sequence[ResultRow],
+                  header: Sequence[str] | None = None) -> Path:
+    """Append `rows` to the step's result file (created with its header: `header`, default
+    `ResultRow`'s field names)."""
     out = Path(dump_path) / f"step{step}" / rank_dir_name(rank)
     out.mkdir(parents=True, exist_ok=True)
     path = out / RESULT_CSV
@@ -65,6 +114,6 @@ def write_results(dump_path: Path, step: int, rank: int | None, rows: Sequence[R
     with open(path, "a", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         if new:
-            writer.writerow([field.name for field in fields(ResultRow)])
+            writer.writerow(list(header) if header else [f.name for f in fields(ResultRow)])
         writer.writerows(astuple(row) for row in rows)
     return path

@@ -51,6 +51,15 @@ def csv_header(level: str, bounds: Sequence[float]) -> list[str]:
     return head + list(STAT_HEADER)
 
 
+def interval_counts(values: np.ndarray, bounds: Sequence[float]) -> np.ndarray:
+    """Counts of `values` per interval ``(-inf, b0], (b0, b1]... (bn, inf)`` and of exact zeros,
+    compared in float64 (a value equal to a bound falls in the interval it closes)."""
+    flat = np.asarray(values, dtype=np.float64).reshape(-1)
+    index = np.searchsorted(np.asarray(bounds, dtype=np.float64), flat, side="left")
+    counts = np.bincount(index, minlength=len(bounds) + 1)
+    return np.concatenate([counts, [np.count_nonzero(flat == 0)]]).astype(np.float64)
+
+
 def rank_dir(root: Path, rank: int | None) -> Path:
     return Path(root) / f"rank{rank or 0}"
 

@@ -18,6 +18,15 @@ from msprobe_engine.stats import P_INF, P_MAX, P_MIN, P_NAN, P_NUMEL, P_SUM
 
 #: the part of an entry that is its call's result (forward: its output; backward: the input gradients)
 OUTPUT_KEY = "output"
+#: an entry whose every tensor is a result (the gradients of a module's/Cell's parameters)
+PARAMS_GRAD = ".parameters_grad"
+
+
+def result_slots(name: str, skeleton: dict) -> Iterator[TensorSlot]:
+    """The tensor slots of an entry that are its call's result (see `OUTPUT_KEY`, `PARAMS_GRAD`)."""
+    if name.endswith(PARAMS_GRAD) or f"{PARAMS_GRAD}." in name:
+        return iter_slots(skeleton)
+    return iter_slots(skeleton.get(OUTPUT_KEY))
 
 
 def iter_slots(skeleton: Any) -> Iterator[TensorSlot]:
@@ -61,7 +70,8 @@ def _infinite_argument(skeleton: dict) -> bool:
 
 
 def overflowing(entries: dict[str, Any], host_rows: np.ndarray, limit: int) -> list[str]:
-    """Names of the first `limit` entries (-1: all), in execution order, whose outputs hold nan/inf.
+    """Names of the first `limit` entries (-1: all), in execution order, whose outputs (parameters_grad:
+    its gradients) hold nan/inf.
 
     A call given an infinite value as an argument (a -inf attention mask fill) may return
     infinities: only a nan in its outputs counts."""
@@ -71,7 +81,7 @@ def overflowing(entries: dict[str, Any], host_rows: np.ndarray, limit: int) -> l
         if not isinstance(skeleton, dict):
             continue
         flags = nans if _infinite_argument(skeleton) else bad
-        if any(0 <= s.row < len(flags) and flags[s.row] for s in iter_slots(skeleton.get(OUTPUT_KEY))):
+        if any(0 <= s.row < len(flags) and flags[s.row] for s in result_slots(name, skeleton)):
             found.append(name)
             if len(found) == limit:
                 break

@@ -203,11 +203,18 @@ class ApiHooks:
             prim.__class__ = routed if on else base
 
     def _cell(self, key: str, func: Callable[..., Any]) -> ApiCell:
+        """The API's Cell with the recorder's hooks: ``api_begin(key)``, ``api_end(key, args, kwargs,
+        output, func)`` (with ``recorder.replaces_outputs``, a value it returns replaces the output:
+        free_benchmark's fix mode) and,
+        when asked, ``api_backward(key, grad_input, grad_output)``."""
         cell = ApiCell(func)
         recorder = self.recorder
         cell.register_forward_pre_hook(jit_safe(lambda _cell, _args: recorder.api_begin(key)))
-        cell.register_forward_hook(jit_safe(lambda _cell, args, kwargs, output: recorder.api_end(key, args, kwargs,
-                                                                                                  output)),
+        def end(_cell: ApiCell, args: tuple, kwargs: dict, output: Any) -> Any:
+            return recorder.api_end(key, args, kwargs, output, func)
+
+        # a recorder that replaces outputs needs the hook's value (PyNative only: its session refuses GRAPH_MODE)
+        cell.register_forward_hook(end if getattr(recorder, "replaces_outputs", False) else jit_safe(end),
                                    with_kwargs=True)
         if self.backward:
             cell.register_backward_hook(jit_safe(lambda _cell, grad_input, grad_output:

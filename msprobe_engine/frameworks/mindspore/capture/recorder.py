@@ -1,7 +1,7 @@
 """The training-thread side of the MindSpore dump (L0): Cell calls -> entry skeletons.
 
 Names as the reference writes them for MindSpore: ``Cell.<path>.<Class>.forward.<n>``,
-``.backward.<n>``, ``.parameters_grad``; counters restart every step and count every call
+``.backward.<n>``, ``.parameters_grad.0`` (1.x format: ``.parameters_grad``); counters restart every step and count every call
 made while collecting, dumped or not (`dump.select` decides, as for PyTorch).
 
 Tensors are not measured in the hooks: each gets a row and waits; the rows are computed by
@@ -207,8 +207,8 @@ class CellRecorder:
         """Forward hook of a Cell: its forward entry (inputs, output, own parameters)."""
         self._end(key, args, kwargs, output, params, f"forward hook of {key}")
 
-    def api_end(self, key: str, args: tuple, kwargs: dict, output: Any) -> None:
-        """Forward hook of an API: its forward entry (inputs, output)."""
+    def api_end(self, key: str, args: tuple, kwargs: dict, output: Any, func: Any = None) -> None:
+        """Forward hook of an API: its forward entry (inputs, output); `func` (the API) is not needed."""
         if self._api_depth == 0:
             return
         self._api_depth -= 1
@@ -254,7 +254,14 @@ class CellRecorder:
                 entry["output"] = self._grads(grad_input, f"{backward}.output")
             self._add(backward, entry, parent)
 
-    api_backward = cell_backward
+    def api_backward(self, key: str, grad_input: Any, grad_output: Any) -> None:
+        """Backward hook of an API. A Primitive's input gradients are recorded last argument first,
+        as the predecessor records them (one gradient hook per input, called in that order), so
+        that its compare pairs them position by position (an input that needs no gradient, such
+        as the data entering the first layer, is recorded too: last)."""
+        if key.startswith("Primitive."):
+            grad_input = tuple(reversed(_as_list(grad_input)))
+        self.cell_backward(key, grad_input, grad_output)
 
     def _grads(self, grads: Any, name: str) -> list:
         return [self._slot(g, f"{name}.{i}") if isinstance(g, Tensor) else None
@@ -270,7 +277,7 @@ class CellRecorder:
         """Parameter gradients of the step: (``Cell.<path>.<Class>``, local name, gradient)."""
         with self._guard("parameter gradients"):
             for key, name, grad in named:
-                entry_name = f"{key}.parameters_grad"
+                entry_name = self._param_grad_name(key)
                 if key not in self._ran:
                     continue  # the Cell did not run while collecting in this step
                 want = self.sel.want(key, entry_name, entry_name)
@@ -278,6 +285,14 @@ class CellRecorder:
                     grads = self.entries.setdefault(entry_name, {}).setdefault(name, [])
                     suffix = f".{len(grads)}" if grads else ""
                     grads.append(self._slot(grad, f"{entry_name}.{name}{suffix}"))
+
+    def _param_grad_name(self, key: str) -> str:
+        """``<key>.parameters_grad.0`` as the predecessor's MindSpore dump (26.2) names a Cell's
+        gradients of a step (its counter counts gradient passes; `step(grads)` is one pass);
+        ``<key>.parameters_grad`` in its 1.x format."""
+        if self.config.predecessor_format == "1.x":
+            return f"{key}.parameters_grad"
+        return f"{key}.parameters_grad.0"
 
     def _add(self, name: str, entry: dict, parent: str | None) -> None:
         self.entries[name] = entry

@@ -19,6 +19,11 @@ no ``requires_grad``), tensors are ``.npy`` files, construct.json (L0, mix) give
 enclosing Cell, stack.json (``"stack": true``) each forward call's stack. Statistics are computed
 by the MindSpore backend; torch is never imported. L1 and mix record API calls
 (`capture.apis`) and need PYNATIVE_MODE: in GRAPH_MODE `start` raises `ConfigError`.
+
+The debugger tasks, with PyTorch's config keys (`msprobe_engine.dump.tasks`):
+``overflow_check`` (L0, L1; `capture.overflow`), ``free_benchmark`` (L1;
+`capture.free_benchmark`) and ``grad_probe`` (``debugger.monitor(optimizer)``;
+`frameworks.mindspore.grad_probe`), all PyNative only; ``diff_check`` is refused.
 """
 from __future__ import annotations
 
@@ -32,10 +37,16 @@ import numpy as np
 from msprobe_engine.config.errors import ConfigError
 from msprobe_engine.dump.session import DumpSession, check_names
 from msprobe_engine.dump.tasks import require_support
-from msprobe_engine.dump.writer import array_crc32
+from msprobe_engine.dump.writer import TENSOR_TASKS, array_crc32
 
 log = logging.getLogger("msprobe_engine")
 
+#: the tasks the MindSpore session implements
+MINDSPORE_TASKS = ("statistics", "tensor", "overflow_check", "free_benchmark", "grad_probe")
+#: the tasks that need PYNATIVE_MODE at any level (their hooks do not run in a compiled graph)
+PYNATIVE_TASKS = ("overflow_check", "free_benchmark", "grad_probe")
+#: the recorder attribute that `task_results` shows, per task
+RESULTS = {"overflow_check": "overflows", "free_benchmark": "failed"}
 GRAPH_MODE_WARNING = ("msprobe dump: GRAPH_MODE: Cell hooks do not run in a compiled graph, so no Cell "
                       "entries are dumped; use PYNATIVE_MODE (parameter gradients passed to step() are dumped)")
 
@@ -49,7 +60,14 @@ class MindSporePrecisionDebugger(DumpSession):
         """As `PrecisionDebugger`; `params`: the parameters a gradient tuple given to `step`
         follows (default: the net's `trainable_params()`)."""
         super().__init__(*args, **kwargs)
-        require_support(self.config.task, "MindSpore", ("statistics", "tensor"))
+        require_support(self.config.task, "MindSpore", MINDSPORE_TASKS)
+        if self.config.task == "free_benchmark":
+            from msprobe_engine.frameworks.mindspore.capture.free_benchmark import PYTORCH_ONLY
+
+            if self.config.options.pert_mode in PYTORCH_ONLY:
+                raise ConfigError(f"free_benchmark.pert_mode: {self.config.options.pert_mode!r} (with fuzz_device "
+                                  "'cpu') is PyTorch's: MindSpore runs every API on its context's device; use "
+                                  "improve_precision, add_noise, bit_noise, change_value or no_change")
         if self.config.summary_mode == "xor":
             raise ConfigError("summary_mode: 'xor' is not supported on MindSpore yet; use statistics or md5")
         self._params = list(params) if params is not None else None
@@ -57,9 +75,24 @@ class MindSporePrecisionDebugger(DumpSession):
         self._cell_hooks: list[Any] = []  # one DumpCellHooks per hooked net
         self._owners: dict[int, tuple[str, str]] = {}
 
+    @property
+    def task_results(self) -> list:
+        """So far: overflow_check (step, first overflowing call) per step that overflowed;
+        free_benchmark the failing outputs (`ResultRow`); else []."""
+        attribute = RESULTS.get(self.config.task)
+        return list(getattr(self._recorder, attribute)) if attribute and self._recorder is not None else []
+
+    def monitor(self, optimizer: Any) -> None:
+        """grad_probe (the predecessor's MindSpore call): probe the gradients `optimizer` applies
+        at each of its steps (no start/stop/step needed; `close()` at the end)."""
+        if self.config.task != "grad_probe":
+            raise ConfigError(f"monitor(optimizer) is the grad_probe task's call; this config's task is "
+                              f"{self.config.task!r}")
+        self.start(optimizer)
+
     def step(self, grads: Any = None) -> None:
         """Close the step; `grads` (optional): its parameter gradients, dumped as parameters_grad."""
-        if grads is not None and self._collected and self._recorder is not None:
+        if grads is not None and self._collected and hasattr(self._recorder, "param_grads"):
             self._recorder.param_grads(self._named_grads(grads))
         super().step()
 
@@ -72,33 +105,62 @@ class MindSporePrecisionDebugger(DumpSession):
         from msprobe_engine.frameworks.mindspore.capture.cells import cell_keys
         from msprobe_engine.frameworks.mindspore.capture.recorder import CellRecorder
 
+        task = self.config.task
         if not isinstance(model, nn.Cell):
-            raise ConfigError(f"the MindSpore dump watches a net: pass it (a mindspore.nn.Cell) to start(net), "
+            what = "an optimizer: monitor(optimizer)" if task == "grad_probe" else "a net: pass it to start(net)"
+            raise ConfigError(f"the MindSpore {task} session watches {what} (a mindspore.nn.Cell), "
                               f"got {type(model).__name__}")
         self.rank, world = _rank_and_world()
         self.config.check_ranks(world)
-        apis = self.config.level != "L0"
-        if apis and _graph_mode():
-            raise ConfigError(f"level {self.config.level!r} needs PYNATIVE_MODE: the context's mode is GRAPH_MODE, "
-                              "where no API call can be watched; call mindspore.set_context(mode="
-                              "mindspore.PYNATIVE_MODE) before training, or use level L0 (parameter gradients)")
+        apis = self.config.level != "L0" and task != "grad_probe"
+        if (apis or task in PYNATIVE_TASKS) and _graph_mode():
+            what = f"task {task!r}" if task in PYNATIVE_TASKS else f"level {self.config.level!r}"
+            raise ConfigError(f"{what} needs PYNATIVE_MODE: the context's mode is GRAPH_MODE, "
+                              "where no API or Cell call can be watched; call mindspore.set_context(mode="
+                              "mindspore.PYNATIVE_MODE) before training" +
+                              ("" if task in PYNATIVE_TASKS else ", or use level L0 (parameter gradients)"))
+        if task == "grad_probe":
+            from msprobe_engine.frameworks.mindspore.grad_probe import MindSporeGradProbe
+
+            self._recorder = MindSporeGradProbe(self.config, self.rank, self.writer)
+            self._hooks.append(self._recorder)
+            self._hook_model(model)
+            return
         missing = missing_interfaces() if apis else []
         if missing:
             raise ConfigError(f"level {self.config.level!r} needs interfaces this MindSpore lacks: "
                               f"{', '.join(missing)}; upgrade MindSpore (2.10 is tested) or use level L0")
         check_names(self.config, cell_keys(model), _Keys(api_keys()) if apis else None)
-        self._recorder = CellRecorder(self.config, mindspore_backend, self._emit_tensors)
+        if task == "free_benchmark":
+            from msprobe_engine.frameworks.mindspore.capture.free_benchmark import MindSporeFreeBenchmark
+
+            self._recorder = MindSporeFreeBenchmark(self.config, self.rank, self.writer)
+        elif task == "overflow_check":
+            from msprobe_engine.frameworks.mindspore.capture.overflow import OverflowCellRecorder
+
+            self._recorder = OverflowCellRecorder(self.config, mindspore_backend, self._emit_tensors)
+        else:
+            self._recorder = CellRecorder(self.config, mindspore_backend, self._emit_tensors)
         if apis:
-            self._apis = ApiHooks(self._recorder, self._recorder.gate, backward=self._recorder.sel.backward)
+            self._apis = ApiHooks(self._recorder, self._recorder.gate,
+                                  backward=self._recorder.sel.backward and task != "free_benchmark")
             self._hooks.append(self._apis)
         self._hook_model(model)
 
     def _hook_model(self, model: Any) -> None:
         from msprobe_engine.frameworks.mindspore.capture.cells import DumpCellHooks, parameter_owners
 
+        if self.config.task == "grad_probe":
+            self._recorder.watch(model)
+            self._hooked.add(id(model))
+            return
         if _graph_mode():
             log.warning(GRAPH_MODE_WARNING)
         sel = self._recorder.sel
+        if self.config.task == "free_benchmark":  # APIs only: no Cell hook
+            self._apis.hook_primitives(model)
+            self._hooked.add(id(model))
+            return
         cells = DumpCellHooks(self._recorder, model, backward=sel.backward, cells=sel.modules)
         self._hooks.append(cells)
         self._cell_hooks.append(cells)
@@ -128,7 +190,7 @@ class MindSporePrecisionDebugger(DumpSession):
             self._apis.route_primitives(False)
 
     def _tensor_writers(self) -> tuple[Any, Any]:
-        return (_save_npy if self.config.task == "tensor" else None,
+        return (_save_npy if self.config.task in TENSOR_TASKS else None,
                 array_crc32 if self.config.summary_mode == "md5" else None)
 
     # ---- gradients ------------------------------------------------------------------------

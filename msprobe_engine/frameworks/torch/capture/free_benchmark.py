@@ -36,7 +36,7 @@ import torch
 
 from msprobe_engine.dump.config import DumpConfig
 from msprobe_engine.dump.free_benchmark_files import NOISE as NOISE_BY_NAME
-from msprobe_engine.dump.free_benchmark_files import ResultRow, passes, threshold, tolerance, write_results
+from msprobe_engine.dump.free_benchmark_files import Compared, Judge, ResultRow, tolerance, write_results
 from msprobe_engine.dump.select import Selection
 from msprobe_engine.dump.writer import StepData
 from msprobe_engine.frameworks.torch.capture.api import ApiCatalog
@@ -176,18 +176,25 @@ class FreeBenchmark:
         self.active = False
         self.transfers = 0
         self.hook_errors: dict[str, int] = {}
-        self.failed: list[ResultRow] = []       # every failing output so far (also written to the CSV)
-        self.compared = 0                       # outputs compared so far
+        self.judge = Judge(config.options, rank or 0)
         self._step = 0
         self._busy = False
-        self._limits: dict[str, float] = {}     # preheat: sampled thresholds per API
-        self._samples: dict[str, int] = {}
         self._reset()
 
     def _reset(self) -> None:
         self._counters: dict[str, int] = {}
         self._pending: list[tuple[str, str, str, int | None, str, torch.Tensor]] = []
         self.sel.new_step()
+
+    @property
+    def failed(self) -> list[ResultRow]:
+        """Every failing output so far (also written to the CSV)."""
+        return self.judge.failed
+
+    @property
+    def compared(self) -> int:
+        """Outputs compared so far."""
+        return self.judge.compared
 
     def watch(self, model: Any) -> None:
         """free_benchmark perturbs APIs (level L1); the model needs no hooks."""
@@ -310,20 +317,9 @@ class FreeBenchmark:
         return StepData({}, {}, None, np.empty((0, 8)), write_empty=False)
 
     def _judge(self, step: int, pending: list, ratios: np.ndarray) -> None:
-        rows = []
-        for (name, stage, dtype, index, shape, _), value in zip(pending, ratios.tolist()):
-            key = name.rsplit(".", 2)[0]
-            limit = max(threshold(dtype, self.options.pert_mode), self._limits.get(key, 0.0))
-            if self.options.if_preheat and step < self.options.preheat_step:
-                if self._samples.get(key, 0) < self.options.max_sample:
-                    self._samples[key] = self._samples.get(key, 0) + 1
-                    self._limits[key] = max(self._limits.get(key, 0.0), value)
-                continue
-            self.compared += 1
-            if not passes(value, limit):
-                rows.append(ResultRow(self.rank or 0, self.options.pert_mode, stage, step, name, value - 1,
-                                      f"torch.{dtype}", shape, index))
+        compared = [Compared(name, stage, dtype, f"torch.{dtype}", shape, index)
+                    for name, stage, dtype, index, shape, _ in pending]
+        rows = self.judge.rows(step, compared, ratios.tolist())
         if rows:
-            self.failed.extend(rows)
             self.writer.submit(partial(write_results, self.config.dump_path, step, self.rank, rows),
                                "free_benchmark results")
