@@ -296,7 +296,7 @@ class Monitor(StepLifecycle):
             table = tables.pop(self.step)
             if screen is not None:
                 table = screen(table)
-            firing = self._evaluate(table)
+            firing = self._evaluate(table, before_step=True)
             events = self._tracker.update(self.step, firing, scope="pre:")
             # what an earlier step showed after its optimizer step can only stop the run now
             firing += [f for f in self._emit_late(tables) if f.action == "stop"]
@@ -567,10 +567,10 @@ class Monitor(StepLifecycle):
             if step not in self._early and not late.keys:
                 continue
             early_table, events = self._early.pop(step, (empty, []))
-            firing = self._evaluate(late)
-            late_events = self._tracker.update(step, firing, scope="post:")
             merged = StatTable.from_rows(early_table.keys + late.keys,
                                          np.concatenate([early_table.partials, late.partials]))
+            firing = self._evaluate(late, whole=merged)
+            late_events = self._tracker.update(step, firing, scope="post:")
             self._emit(step, merged, events + late_events)
             self._conclude_late(self._start_incidents(step, merged, late, late_events, firing))
             fired += firing
@@ -594,10 +594,18 @@ class Monitor(StepLifecycle):
         rules = sorted({f.rule for f in decision if f.action == "stop"})
         raise TrainingStopped(self.step, rules, [incident.directory for incident in made])
 
-    def _evaluate(self, table: StatTable) -> list[Firing]:
-        stats = table.finalized()
-        metrics = self._metrics(table)
-        return [f for rule in self._rules if rule.enabled for f in rule.evaluate(table, stats, metrics)]
+    def _evaluate(self, table: StatTable, *, before_step: bool = False, whole: StatTable | None = None
+                  ) -> list[Firing]:
+        """What the enabled rules fire on `table`. A `whole_step` rule (e.g. misreported_grad_norm,
+        whose inputs come from both sides of the optimizer step) is left out `before_step` and
+        sees `whole` (the step's pre- and post-step rows together) when that is given."""
+        fired: list[Firing] = []
+        for rule in self._rules:
+            if not rule.enabled or (before_step and rule.whole_step):
+                continue
+            seen = whole if whole is not None and rule.whole_step else table
+            fired += rule.evaluate(seen, seen.finalized(), self._metrics(seen))
+        return fired
 
     def _emit(self, step: int, table: StatTable, events: list[AlertEvent]) -> StepRecord:
         micro_steps = self._early_micro_steps.pop(step, self.micro_steps)

@@ -244,3 +244,38 @@ def test_drift_is_named_against_the_majority_of_the_replicas():
     flipped = weights.clone()
     flipped.view(torch.int32)[7] ^= 1  # one flipped low mantissa bit
     assert checksum(weights) != checksum(flipped) and checksum(weights) == checksum(weights.clone())
+
+
+def test_a_norm_known_only_after_the_step_is_checked_when_a_skip_rule_decides_before_it(tmp_path):
+    """DeepSpeed's and Megatron's norms come after their optimizer step, while a skip rule makes
+    the monitor decide before it: misreported_grad_norm (a whole-step rule) is evaluated after
+    the step on the step's rows together, so a norm reported then is still checked; its `stop`
+    takes effect at the next step's decision."""
+    import torch
+    from msprobe_engine.incident import TrainingStopped
+    from msprobe_integrations.torch import TorchMonitor
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = {**_config(str(tmp_path)), "alerts": [{"rule": "non_finite", "action": "skip"},
+                                                    {"rule": "misreported_grad_norm", "action": "stop"}]}
+    monitor = TorchMonitor(model, opt, config)
+    assert monitor.monitor.decide_early
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(BATCH, 4, generator=gen).double(), torch.randn(BATCH, 2, generator=gen).double()
+    steps_done = 0
+    with pytest.raises(TrainingStopped, match="misreported_grad_norm") as stopped:
+        for step in range(4):
+            loss = (model(x) - y).pow(2).mean()
+            loss.backward()
+            norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+            opt.step()
+            monitor.report_grad_norm(norm * (2.0 if step == 1 else 1.0))  # after the step; wrong at step 1
+            opt.zero_grad()
+            monitor.step_end(loss.detach())
+            steps_done += 1
+    monitor.close()
+    assert stopped.value.step == 2 and steps_done == 2  # in step 2's optimizer.step(), before the update
+    assert [(e.rule, e.step) for e in monitor.alert_log if e.phase == "start"] == [("misreported_grad_norm", 1)]
+    assert [r.step for r in monitor.history][:2] == [0, 1]
+    assert all(r.metrics["train/reported_grad_norm"] > 0 for r in list(monitor.history)[:2])
