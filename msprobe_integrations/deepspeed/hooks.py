@@ -4,7 +4,8 @@
     engine.step()          at the accumulation boundary, before DeepSpeed's step: the losses
                            and parameter gradients (divided by the fp16 loss scale), then
                            `monitor.before_optimizer_step()`; after it: whether the step was
-                           applied, parameters and optimizer state, `step_end`.
+                           applied, parameters and optimizer state, DeepSpeed's own global
+                           grad norm (`report_grad_norm`), `step_end`.
 
 The monitor's decision is applied here. `skip`: DeepSpeed's step runs with the wrapped torch
 optimizer's `step` and the lr scheduler's `step` made no-ops for that one call (instance
@@ -25,6 +26,7 @@ on a routine overflow.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
@@ -189,10 +191,25 @@ class EngineHooks:
                     monitor.discard(kind)
             elif self.reader is not None:
                 self._read_after_step(self.reader, applied and not skipped)
+                self._report_norm()
         self._before = None
         self._overflow = False
         monitor.after_optimizer_step()
         monitor.step_end()
+
+    def _report_norm(self) -> None:
+        """DeepSpeed's own global gradient norm of this step, for the `misreported_grad_norm` rule.
+        `engine.get_global_grad_norm()` is set inside `engine.step()`, before clipping and divided
+        by the fp16 loss scale (ZeRO 1/2/3, the bf16/fp16 wrappers): the very gradients read before
+        the step. None (nothing reported): ZeRO-0 fp32 (a plain torch optimizer keeps none) and
+        `zero_optimization.compute_grad_norm: false`. A float inf is DeepSpeed's overflow marker,
+        not a norm: it is not reported either (the gradient rows show the inf/nan themselves)."""
+        if not self.grad_keys:
+            return
+        with self.monitor.guard("DeepSpeed global grad norm"):
+            norm = self.engine.get_global_grad_norm()
+            if isinstance(norm, torch.Tensor) or (norm is not None and math.isfinite(norm)):
+                self.monitor.report_grad_norm(norm)
 
     def _read_after_step(self, reader: ShardReader, applied: bool) -> None:
         if self.param_keys:
