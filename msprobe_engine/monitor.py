@@ -427,7 +427,9 @@ class Monitor(StepLifecycle):
         values: dict[str, float] = {}
         try:
             yield values
-            table = self._transfer(reduce=False)[self.step]
+            # every rank replays a step whose merged rows fired: a data-parallel reducer that
+            # says so (`replays_together`) merges the replay's rows as it did the step's
+            table = self._transfer(reduce=False, merge=getattr(self.reducer, "replays_together", False))[self.step]
             values.update(every_statistic(table))
             values.update(self._metrics(table))
         finally:
@@ -475,9 +477,10 @@ class Monitor(StepLifecycle):
             self.warn(f"{key}: no module named {', '.join(names)}; nothing is watched for them")
 
     # ---- internals --------------------------------------------------------------
-    def _transfer(self, reduce: bool = True, at_step_end: bool = False) -> dict[int, StatTable]:
+    def _transfer(self, reduce: bool = True, at_step_end: bool = False, merge: bool | None = None
+                  ) -> dict[int, StatTable]:
         """The one device-to-host copy: every pending row, grouped by step (`reduce`: through
-        `self.reducer`; a replay, which runs on its own, is not reduced).
+        `self.reducer`; a replay's transfer is not, unless `merge`: every rank replays together).
 
         At a step's end (`at_step_end`) in one-step-late mode (`read_late`; only when no rule
         needs a decision before the optimizer step and the step is not run through `run_step`)
@@ -505,7 +508,7 @@ class Monitor(StepLifecycle):
             return tables
         keys = [k for _, ks, _ in pending for k in ks]
         rows = self.backend.concat([r for _, _, r in pending])
-        if reduce and self.reducer is not None:
+        if (reduce if merge is None else merge) and self.reducer is not None:
             rows = self.reducer(keys, rows)
         steps = np.repeat([s for s, ks, _ in pending], [len(ks) for _, ks, _ in pending])
         late = at_step_end and reduce and self._reads_late(rows)

@@ -28,7 +28,7 @@ def _model():
 
 def _config(out: str) -> dict:
     return {"output_dir": out, "strict": True, "sinks": [], "incidents": {"enabled": False},
-            "watch": {"params": True, "optimizer_state": ["exp_avg", "exp_avg_sq"]},
+            "watch": {"params": True, "optimizer_state": ["exp_avg", "exp_avg_sq", "update", "ratio"]},
             "alerts": [{"rule": "misreported_grad_norm"}, {"rule": "replica_drift", "every": 1, "bucket_numel": 1}]}
 
 
@@ -82,6 +82,50 @@ def _train(model, out: str, rank: int, dp: int, misreport: bool = False, perturb
             "warnings": sorted(monitor._warned), "reducer": type(monitor.reducer).__name__}
 
 
+def _replay(model, out: str, rank: int, dp: int) -> dict:
+    """Three steps through `monitor.run_step`; at step 1 one element of the first layer's output
+    (row 0 of the batch: rank 0's) turns nan, a `skip` rule fires and the step is replayed.
+    The incident's replay checks, and what each step changed."""
+    import json
+    from pathlib import Path
+
+    import torch
+    from msprobe_integrations.torch import TorchMonitor
+
+    gen = torch.Generator().manual_seed(1)
+    data, target = (torch.randn(BATCH, 4, generator=gen, dtype=torch.float64),
+                    torch.randn(BATCH, 2, generator=gen, dtype=torch.float64))
+    part = slice(rank * BATCH // dp, (rank + 1) * BATCH // dp)
+    monitor = None
+
+    def corrupt(module, args, output):
+        if monitor.step == 1 and rank == 0:
+            output = output.clone()
+            output.view(-1)[0] = float("nan")
+            return output
+
+    inner = getattr(model, "module", model)
+    inner[0].register_forward_hook(corrupt)  # before the monitor's hooks: they see the nan
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = {"output_dir": out, "strict": True, "sinks": [], "watch": {"params": True},
+              "alerts": [{"rule": "non_finite", "action": "skip"}]}
+    monitor = TorchMonitor(model, opt, config)
+
+    def train_step(x, y):
+        loss = (model(x) - y).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    for _ in range(3):
+        monitor.run_step(train_step, data[part], target[part])
+    monitor.close()
+    incident = json.loads((Path(out) / "incidents" / f"step1-rank{rank}-non_finite" / "incident.json").read_text())
+    return {"replay": incident["replay"], "culprit": incident["culprit"]["first_bad"],
+            "metrics": [r.metrics for r in monitor.history]}
+
+
 def _two_ranks(rank: int, world: int, out: str) -> dict:
     import torch
     import torch.distributed as dist
@@ -98,6 +142,11 @@ def _two_ranks(rank: int, world: int, out: str) -> dict:
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh)
     results["fsdp2"] = _train(model, f"{out}/fsdp2", rank, world, misreport=True)
+    model = _model()
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    results["fsdp2_replay"] = _replay(model, f"{out}/fsdp2_replay", rank, world)
     model = _model().float()  # bf16 compute, fp32 shards and reduce-scatter, 2 micro-batches
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in (model[0], model[2]):
@@ -142,6 +191,8 @@ def runs(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("torch_distributed")
     two = run_ranks(_two_ranks, 2, str(out / "two"), timeout=240)
     return {"single": _train(_model(), str(out / "single"), 0, 1), **two[0],
+            "single_replay": _replay(_model(), str(out / "single_replay"), 0, 1),
+            "fsdp2_replay_rank1": two[1]["fsdp2_replay"],
             "hsdp": run_ranks(_hsdp, 4, str(out / "hsdp"), timeout=240)[0]}
 
 
@@ -157,6 +208,8 @@ def test_statistics_equal_the_single_process_ones(runs, layout):
     reference, got = runs["single"]["metrics"][0], runs[layout]["metrics"][0]
     assert set(got) == set(reference)
     assert {t.split("/")[0] for t in got} >= {"grad", "param", "optim", "actv", "train"}
+    # the step's update (after - before, on the shards under FSDP2) and update/param ratio too
+    assert {"optim/0.weight/update/norm", "optim/0.weight/ratio", "optim/2.bias/ratio"} <= set(got)
     timings = {t for t in reference if t.endswith("_ms")}  # the monitor's host time (Health/monitor_ms)
     wrong = {t: (got[t], reference[t]) for t in set(reference) - timings if not _close(got[t], reference[t])}
     assert not wrong, wrong
@@ -188,6 +241,23 @@ def test_a_loop_reporting_its_local_shard_norm_is_caught(runs):
     assert [(rule, step) for rule, step, *_ in runs["fsdp2"]["alerts"]] == [("misreported_grad_norm", 1)]
     for layout in ("single", "ddp", "hsdp"):  # clip_grad_norm_'s own return is the true norm
         assert not [a for a in runs[layout]["alerts"] if a[0] == "misreported_grad_norm"], layout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [0, 1])
+def test_an_fsdp2_step_replay_reproduces_the_single_process_one(runs, rank):
+    """Both ranks replay the step whose merged rows fired (the nan was in rank 0's data only);
+    the replay's statistics are merged like the step's, so they equal the single process's."""
+    single, fsdp2 = runs["single_replay"], runs["fsdp2_replay" if rank == 0 else "fsdp2_replay_rank1"]
+    assert single["replay"]["status"] == fsdp2["replay"]["status"] == "reproducible"
+    assert fsdp2["culprit"] == single["culprit"] == "actv/0/output"
+    checks = [(c["tag"], c["value"], c["replay_value"], c["identical"]) for c in fsdp2["replay"]["checks"]]
+    assert checks == [(c["tag"], c["value"], c["replay_value"], c["identical"]) for c in single["replay"]["checks"]]
+    assert [m["train/skipped"] for m in fsdp2["metrics"]] == [0.0, 1.0, 0.0]
+    after = fsdp2["metrics"][2]  # the skipped step left no trace: the next step is the single process's
+    wrong = {t: v for t, v in after.items() if t.startswith(("grad/", "param/", "train/loss"))
+             and not _close(v, single["metrics"][2][t])}
+    assert not wrong, wrong
 
 
 @pytest.mark.slow

@@ -100,6 +100,9 @@ class DataParallelMerge:
         self.per_rank = per_rank
         self.sharded, self.copies = shard_groups(params) if wrapping.kind == "fsdp2" else (set(), set())
         self._blank: dict[int, torch.Tensor | None] = {}
+        #: a step replay's rows are merged too (`Monitor.replay_statistics`): the rules fire on merged
+        #: rows, so every rank replays the same step (its forward and backward are collective anyway)
+        self.replays_together = not per_rank
 
     def policy(self, key: MetricKey) -> str:
         if key.kind in PARAM_KINDS:
