@@ -307,6 +307,9 @@ class Monitor(StepLifecycle):
             if made:
                 self.incidents.conclude(made, self._step_call, "the step was not run through Monitor.run_step",
                                         self.replay_host, self.replay_statistics)
+        agree = getattr(self.reducer, "agree", None)  # ranks deciding on rank-local rows (per_rank)
+        if agree is not None and self.decide_early:  # every rank: one collective, also after an error
+            decision = agree(decision)
         if decision.stop:
             self._stop(decision, made)
         return decision

@@ -126,6 +126,44 @@ def _replay(model, out: str, rank: int, dp: int) -> dict:
             "metrics": [r.metrics for r in monitor.history]}
 
 
+def _per_rank_skip(model, out: str, rank: int, world: int) -> dict:
+    """DDP with `per_rank: true` (each rank's rules see its own activations) and a `skip` rule:
+    a nan in rank 0's activations at step 1 only. What each rank decided, its weights after
+    three steps and the replica check's alerts."""
+    import torch
+    from msprobe_integrations.torch import TorchMonitor
+
+    gen = torch.Generator().manual_seed(1)
+    data, target = (torch.randn(BATCH, 4, generator=gen, dtype=torch.float64),
+                    torch.randn(BATCH, 2, generator=gen, dtype=torch.float64))
+    part = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    monitor = None
+
+    def corrupt(module, args, output):
+        if monitor.step == 1 and rank == 0:
+            output = output.clone()
+            output.view(-1)[0] = float("nan")
+            return output
+
+    model.module[0].register_forward_hook(corrupt)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = {"output_dir": out, "strict": True, "sinks": [], "per_rank": True,
+              "alerts": [{"rule": "non_finite", "targets": ["actv"], "action": "skip"},
+                         {"rule": "replica_drift", "every": 1, "bucket_numel": 1}]}
+    monitor = TorchMonitor(model, opt, config)
+    for _ in range(3):
+        loss = (model(data[part]) - target[part]).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        monitor.step_end(loss.detach())
+    monitor.close()
+    return {"skipped": [r.metrics["train/skipped"] for r in monitor.history],
+            "alerts": [(e.rule, e.step) for e in monitor.alert_log if e.phase == "start"],
+            "weights": torch.cat([p.detach().flatten() for p in model.parameters()]).tolist(),
+            "warnings": sorted(monitor._warned)}
+
+
 def _two_ranks(rank: int, world: int, out: str) -> dict:
     import torch
     import torch.distributed as dist
@@ -136,6 +174,8 @@ def _two_ranks(rank: int, world: int, out: str) -> dict:
     dist.init_process_group("gloo")
     results = {"ddp": _train(DistributedDataParallel(_model()), f"{out}/ddp", rank, world,
                              perturb="2.weight" if rank == 1 else "")}
+    results["ddp_per_rank_skip"] = _per_rank_skip(DistributedDataParallel(_model()), f"{out}/per_rank", rank,
+                                                  world)
     model = _model()
     mesh = init_device_mesh("cpu", (world,))
     for layer in (model[0], model[2]):
@@ -169,10 +209,11 @@ def _two_ranks(rank: int, world: int, out: str) -> dict:
     return results
 
 
-def _hsdp(rank: int, world: int, out: str) -> dict:
+def _four_ranks(rank: int, world: int, out: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     dist.init_process_group("gloo")
     model = _model()
@@ -181,9 +222,18 @@ def _hsdp(rank: int, world: int, out: str) -> dict:
         fully_shard(layer, mesh=mesh, reshard_after_forward=False)
     fully_shard(model, mesh=mesh)
     # rank 3 holds the same shards as rank 1 (coordinates (1, 1) and (0, 1)): perturb its copy
-    result = _train(model, out, rank, world, perturb="0.bias" if rank == 3 else "")
+    results = {"hsdp": _train(model, f"{out}/hsdp", rank, world, perturb="0.bias" if rank == 3 else "")}
+    # tensor parallel over "tp" (a column- then a row-parallel Linear), FSDP2 over "dp"; the two
+    # ranks of a TP pair see the same half of the batch
+    model = _model()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    results["tp_fsdp2"] = _train(model, f"{out}/tp_fsdp2", rank // 2, 2)
     dist.destroy_process_group()
-    return result
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +243,8 @@ def runs(tmp_path_factory) -> dict:
     return {"single": _train(_model(), str(out / "single"), 0, 1), **two[0],
             "single_replay": _replay(_model(), str(out / "single_replay"), 0, 1),
             "fsdp2_replay_rank1": two[1]["fsdp2_replay"],
-            "hsdp": run_ranks(_hsdp, 4, str(out / "hsdp"), timeout=240)[0]}
+            "per_rank_skip": [two[r]["ddp_per_rank_skip"] for r in (0, 1)],
+            **run_ranks(_four_ranks, 4, str(out / "four"), timeout=240)[0]}
 
 
 def _close(a: float, b: float) -> bool:
@@ -203,7 +254,7 @@ def _close(a: float, b: float) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["ddp", "fsdp2", "hsdp"])
+@pytest.mark.parametrize("layout", ["ddp", "fsdp2", "hsdp", "tp_fsdp2"])
 def test_statistics_equal_the_single_process_ones(runs, layout):
     reference, got = runs["single"]["metrics"][0], runs[layout]["metrics"][0]
     assert set(got) == set(reference)
@@ -218,7 +269,7 @@ def test_statistics_equal_the_single_process_ones(runs, layout):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["single", "ddp", "fsdp2", "fsdp2_mp", "hsdp"])
+@pytest.mark.parametrize("layout", ["single", "ddp", "fsdp2", "fsdp2_mp", "hsdp", "tp_fsdp2"])
 def test_gradient_norms_equal_those_of_the_gathered_gradients(runs, layout):
     """Merged from shards (or taken once from copies), each gradient's norm is the full one's."""
     metrics, truth = runs[layout]["metrics"][0], runs[layout]["truth"]
@@ -239,7 +290,7 @@ def test_fsdp2_gradients_are_sharded_yet_merged(runs):
 @pytest.mark.slow
 def test_a_loop_reporting_its_local_shard_norm_is_caught(runs):
     assert [(rule, step) for rule, step, *_ in runs["fsdp2"]["alerts"]] == [("misreported_grad_norm", 1)]
-    for layout in ("single", "ddp", "hsdp"):  # clip_grad_norm_'s own return is the true norm
+    for layout in ("single", "ddp", "hsdp", "tp_fsdp2"):  # clip_grad_norm_'s own return is the true norm
         assert not [a for a in runs[layout]["alerts"] if a[0] == "misreported_grad_norm"], layout
 
 
@@ -258,6 +309,20 @@ def test_an_fsdp2_step_replay_reproduces_the_single_process_one(runs, rank):
     wrong = {t: v for t, v in after.items() if t.startswith(("grad/", "param/", "train/loss"))
              and not _close(v, single["metrics"][2][t])}
     assert not wrong, wrong
+
+
+@pytest.mark.slow
+def test_per_rank_skip_decisions_are_made_collectively(runs):
+    """per_rank: only rank 0's own rules see its nan; one all-reduce of the decision makes rank 1
+    skip the same step, so the replicas stay bit-identical (the replica check stays silent)."""
+    ranks = runs["per_rank_skip"]
+    for rank, result in enumerate(ranks):
+        assert result["skipped"] == [0.0, 1.0, 0.0], rank
+        assert ("replica_drift", 1) not in result["alerts"] and ("replica_drift", 2) not in result["alerts"]
+    assert [a for a in ranks[0]["alerts"] if a[0] == "non_finite"] == [("non_finite", 1)]
+    assert not [a for a in ranks[1]["alerts"] if a[0] == "non_finite"]  # rank 1's own rows were clean
+    assert ranks[0]["weights"] == ranks[1]["weights"]
+    assert all(math.isfinite(w) for w in ranks[1]["weights"])
 
 
 @pytest.mark.slow
