@@ -19,24 +19,21 @@ statistics, and the reducer that merges them over the ranks in one collective.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-from msprobe_engine.frameworks.torch.distributed import AUTO, LOCAL, MERGE, ONCE, GroupMerge, layout_checksum
+from msprobe_engine.frameworks.torch.distributed import (AUTO, LOCAL, MERGE, ONCE, GroupMerge, agree,
+                                                         layout_checksum)
 from msprobe_engine.frameworks.torch.fsdp import shard_groups
 from msprobe_engine.incident.actions import StepDecision
-from msprobe_engine.rules.base import Firing
 from msprobe_engine.stats.columns import EMPTY_ROW
 from msprobe_engine.stats.table import MetricKey
 
 #: row kinds measured on parameters (gradient, weight, optimizer state)
 PARAM_KINDS = frozenset({"grad", "param", "optim"})
-#: the rule named in a decision another rank made (`DataParallelMerge.agree`)
-OTHER_RANK = "(a rule on another data-parallel rank)"
 
 
 @dataclass
@@ -173,21 +170,12 @@ class DataParallelMerge:
         """`Monitor.before_optimizer_step`, on every rank, when a rule can skip or stop: with
         `per_rank` the rules see each rank's own activations and loss and may decide differently,
         and replicas that step differently diverge (or a stopping rank leaves the others waiting in
-        a collective). One all-reduce (MAX) of (skip, stop) over the data-parallel group makes any
-        rank's skip/stop apply to all; a rank that did not decide it itself gets a stand-in firing
-        naming "(a rule on another data-parallel rank)". Without `per_rank` the rules see the same
-        merged rows on every rank: nothing to agree on, no collective."""
+        a collective): one all-reduce of the decision (`distributed.agree`) makes any rank's
+        skip/stop apply to all. Without `per_rank` every rank's rules see the same merged rows:
+        nothing to agree on, no collective."""
         if not self.per_rank or self.world == 1:
             return decision
-        flags = torch.tensor([float(decision.skip), float(decision.stop)],
-                             device=self._device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.merge.group)
-        skip, stop = (bool(f) for f in flags.tolist())
-        if stop and not decision.stop or skip and not decision.skip:
-            action = "stop" if stop else "skip"
-            other = Firing(OTHER_RANK, OTHER_RANK, "", math.nan, None, action)
-            decision = replace(decision, firing=decision.firing + (other,))
-        return decision
+        return agree(decision, self.merge.group, self._device)
 
     def tp_policy(self, key: MetricKey) -> str:
         if key.kind in PARAM_KINDS:
