@@ -87,6 +87,9 @@ class DeepSpeedMonitor(Integration):
         if engine.mpu is not None:
             monitor.warn("model parallelism is set: statistics are merged over the data-parallel group "
                          "only; set per_rank: true to keep every model-parallel rank's records")
+            if any(rule.rule == "misreported_grad_norm" for rule in config.alerts):
+                monitor.warn("misreported_grad_norm with model parallelism: DeepSpeed's grad norm covers the "
+                             "model-parallel ranks, the monitor's only this rank's part; it is not checked")
         reader = shard_reader(engine, dist.get_rank(group) if distributed else 0, reducer.world, monitor.warn)
         monitor.add_attachment(ModuleHooks(monitor, engine.module), EngineHooks(monitor, engine, reader))
         if engine_monitor:

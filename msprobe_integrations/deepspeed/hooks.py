@@ -189,8 +189,10 @@ class EngineHooks:
         by the fp16 loss scale (ZeRO 1/2/3, the bf16/fp16 wrappers): the very gradients read before
         the step. None (nothing reported): ZeRO-0 fp32 (a plain torch optimizer keeps none) and
         `zero_optimization.compute_grad_norm: false`. A float inf is DeepSpeed's overflow marker,
-        not a norm: it is not reported either (the gradient rows show the inf/nan themselves)."""
-        if not self.grad_keys:
+        not a norm: it is not reported either (the gradient rows show the inf/nan themselves).
+        With model parallelism (`engine.mpu`) DeepSpeed's norm covers the model-parallel ranks and
+        the monitor's the data-parallel group only: not reported."""
+        if not self.grad_keys or self.engine.mpu is not None:  # (mpu: over other ranks than the merge)
             return
         with self.monitor.guard("DeepSpeed global grad norm"):
             norm = self.engine.get_global_grad_norm()
