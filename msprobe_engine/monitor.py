@@ -296,7 +296,7 @@ class Monitor(StepLifecycle):
             table = tables.pop(self.step)
             if screen is not None:
                 table = screen(table)
-            firing = self._evaluate(table)
+            firing = self._evaluate(table, before_step=True)
             events = self._tracker.update(self.step, firing, scope="pre:")
             # what an earlier step showed after its optimizer step can only stop the run now
             firing += [f for f in self._emit_late(tables) if f.action == "stop"]
@@ -307,6 +307,9 @@ class Monitor(StepLifecycle):
             if made:
                 self.incidents.conclude(made, self._step_call, "the step was not run through Monitor.run_step",
                                         self.replay_host, self.replay_statistics)
+        agree = getattr(self.reducer, "agree", None)  # ranks deciding on rank-local rows (per_rank)
+        if agree is not None and self.decide_early:  # every rank: one collective, also after an error
+            decision = agree(decision)
         if decision.stop:
             self._stop(decision, made)
         return decision
@@ -427,7 +430,9 @@ class Monitor(StepLifecycle):
         values: dict[str, float] = {}
         try:
             yield values
-            table = self._transfer(reduce=False)[self.step]
+            # every rank replays a step whose merged rows fired: a data-parallel reducer that
+            # says so (`replays_together`) merges the replay's rows as it did the step's
+            table = self._transfer(reduce=False, merge=getattr(self.reducer, "replays_together", False))[self.step]
             values.update(every_statistic(table))
             values.update(self._metrics(table))
         finally:
@@ -475,9 +480,10 @@ class Monitor(StepLifecycle):
             self.warn(f"{key}: no module named {', '.join(names)}; nothing is watched for them")
 
     # ---- internals --------------------------------------------------------------
-    def _transfer(self, reduce: bool = True, at_step_end: bool = False) -> dict[int, StatTable]:
+    def _transfer(self, reduce: bool = True, at_step_end: bool = False, merge: bool | None = None
+                  ) -> dict[int, StatTable]:
         """The one device-to-host copy: every pending row, grouped by step (`reduce`: through
-        `self.reducer`; a replay, which runs on its own, is not reduced).
+        `self.reducer`; a replay's transfer is not, unless `merge`: every rank replays together).
 
         At a step's end (`at_step_end`) in one-step-late mode (`read_late`; only when no rule
         needs a decision before the optimizer step and the step is not run through `run_step`)
@@ -505,7 +511,7 @@ class Monitor(StepLifecycle):
             return tables
         keys = [k for _, ks, _ in pending for k in ks]
         rows = self.backend.concat([r for _, _, r in pending])
-        if reduce and self.reducer is not None:
+        if (reduce if merge is None else merge) and self.reducer is not None:
             rows = self.reducer(keys, rows)
         steps = np.repeat([s for s, ks, _ in pending], [len(ks) for _, ks, _ in pending])
         late = at_step_end and reduce and self._reads_late(rows)
@@ -567,10 +573,10 @@ class Monitor(StepLifecycle):
             if step not in self._early and not late.keys:
                 continue
             early_table, events = self._early.pop(step, (empty, []))
-            firing = self._evaluate(late)
-            late_events = self._tracker.update(step, firing, scope="post:")
             merged = StatTable.from_rows(early_table.keys + late.keys,
                                          np.concatenate([early_table.partials, late.partials]))
+            firing = self._evaluate(late, whole=merged)
+            late_events = self._tracker.update(step, firing, scope="post:")
             self._emit(step, merged, events + late_events)
             self._conclude_late(self._start_incidents(step, merged, late, late_events, firing))
             fired += firing
@@ -594,10 +600,18 @@ class Monitor(StepLifecycle):
         rules = sorted({f.rule for f in decision if f.action == "stop"})
         raise TrainingStopped(self.step, rules, [incident.directory for incident in made])
 
-    def _evaluate(self, table: StatTable) -> list[Firing]:
-        stats = table.finalized()
-        metrics = self._metrics(table)
-        return [f for rule in self._rules if rule.enabled for f in rule.evaluate(table, stats, metrics)]
+    def _evaluate(self, table: StatTable, *, before_step: bool = False, whole: StatTable | None = None
+                  ) -> list[Firing]:
+        """What the enabled rules fire on `table`. A `whole_step` rule (e.g. misreported_grad_norm,
+        whose inputs come from both sides of the optimizer step) is left out `before_step` and
+        sees `whole` (the step's pre- and post-step rows together) when that is given."""
+        fired: list[Firing] = []
+        for rule in self._rules:
+            if not rule.enabled or (before_step and rule.whole_step):
+                continue
+            seen = whole if whole is not None and rule.whole_step else table
+            fired += rule.evaluate(seen, seen.finalized(), self._metrics(seen))
+        return fired
 
     def _emit(self, step: int, table: StatTable, events: list[AlertEvent]) -> StepRecord:
         micro_steps = self._early_micro_steps.pop(step, self.micro_steps)

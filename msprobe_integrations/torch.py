@@ -51,14 +51,25 @@ class TorchMonitor(Integration):
             kwargs.setdefault("reducer", DataParallelMerge(wrapping, params, config.per_rank))
             kwargs.setdefault("backend", LocalShards(backend))
             kwargs.setdefault("rank", torch.distributed.get_rank())
-            kwargs.setdefault("layout", {"dp": wrapping.world, "wrapping": wrapping.kind})
+            layout = {"dp": wrapping.world, "wrapping": wrapping.kind}
+            if wrapping.tp_group is not None:
+                layout["tp"] = torch.distributed.get_world_size(wrapping.tp_group)
+            kwargs.setdefault("layout", layout)
+        elif wrapping.kind == "unknown":  # (DTensors, e.g. of tensor parallelism: this rank's pieces)
+            kwargs.setdefault("backend", LocalShards(backend))
         super().__init__(Monitor(config, **kwargs).attach(wrapping.inner, optimizer))
         self.wrapping = wrapping
         if wrapping.kind == "unknown":
             self.monitor.warn(not_merged_warning(wrapping, self.monitor.rank))
-        if wrapping.kind in ("ddp", "fsdp2") and self.monitor.config.per_rank and self.monitor.decide_early:
-            self.monitor.warn("per_rank with a skip/stop rule: a rule on a rank's own rows (activations, loss) "
-                              "may decide differently on different ranks, and their replicas would diverge")
+        # per_rank: the rules see each rank's own activations and loss; the skip/stop decision is made
+        # collective (DataParallelMerge.agree), but incidents stay per rank, and a rank replaying a
+        # step alone would wait for the others in the step's collectives: no replay then
+        config = self.monitor.config
+        if (wrapping.kind in ("ddp", "fsdp2") and config.per_rank and config.incidents.enabled
+                and config.incidents.replay.enabled and self.monitor.replay_host is not None):
+            self.monitor.replay_host = None
+            self.monitor.warn("per_rank under data parallelism: steps are not replayed (a rank whose own rows "
+                              "fired would replay the step alone, and its collectives would wait for the others)")
         self._install_replica_check(wrapping, optimizer)
 
     def _install_replica_check(self, wrapping: Any, optimizer: Any) -> None:
@@ -70,6 +81,10 @@ class TorchMonitor(Integration):
         if wrapping.kind not in ("ddp", "fsdp2") or optimizer is None:
             self.monitor.warn("replica_drift: needs a DistributedDataParallel or fully_shard model on several "
                               "ranks and its optimizer; there are no replicas to compare here")
+            return
+        if wrapping.tp_group is not None:
+            self.monitor.warn("replica_drift: not checked under tensor parallelism (fully_shard on the data "
+                              "dimension of a (data, tensor) mesh keeps one copy of each data-parallel shard)")
             return
         if wrapping.kind == "fsdp2" and wrapping.mesh.ndim == 1:
             self.monitor.warn("replica_drift: fully_shard on a 1-D mesh keeps one copy of each shard; there are "

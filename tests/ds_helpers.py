@@ -27,9 +27,15 @@ WATCH = {"module_outputs": True, "param_grads": True, "params": True, "optimizer
 STATES = ("exp_avg", "exp_avg_sq")
 
 
+#: DeepSpeed's own grad norm (`engine.get_global_grad_norm()`) checked against the merged one
+MISREPORTED = {"rule": "misreported_grad_norm", "tolerance": 1e-5}
+DEFAULT_RULES = [{"rule": "non_finite"}, {"rule": "spike"}]  # the config's default alerts
+
+
 def monitor_config(out: str | Path, **overrides) -> dict:
     return {"strict": True, "output_dir": str(out), "stats": [*SUMMARY, "nan_count", "inf_count"],
-            "sinks": [EVERY_TAG_TENSORBOARD, "jsonl"], "watch": WATCH, **overrides}
+            "sinks": [EVERY_TAG_TENSORBOARD, "jsonl"], "watch": WATCH, "alerts": [*DEFAULT_RULES, MISREPORTED],
+            **overrides}
 
 
 def ds_config(stage: int, dtype: str, **extra) -> dict:
@@ -161,13 +167,21 @@ def full_state(engine) -> dict[str, dict]:
 
 
 def run_case(out: Path, rank: int, world: int, stage: int, dtype: str, config: dict | None = None,
-             engine_monitor: bool = False, **extra) -> dict:
-    """Train one engine with the monitor; return its records and the references."""
+             engine_monitor: bool = False, patch: Callable | None = None, **extra) -> dict:
+    """Train one engine with the monitor; return its records and the references (`patch`, when
+    given, changes the engine first)."""
     from msprobe_integrations.deepspeed import DeepSpeedMonitor
 
     engine = make_engine(stage, dtype, **extra)
+    if patch is not None:
+        patch(engine)
     monitor = DeepSpeedMonitor(engine, config=config or monitor_config(out), engine_monitor=engine_monitor)
-    grads, states, scales = [], [], []
+    grads, states, scales, norms = [], [], [], []
+
+    def after_step() -> None:
+        states.append(full_state(engine) if engine.was_step_applied() else None)
+        norm = engine.get_global_grad_norm()
+        norms.append(None if norm is None else float(norm))
 
     def at_boundary() -> None:
         # fp16 gradients are checked against fp32 ones instead (tests/test_deepspeed.py)
@@ -175,12 +189,12 @@ def run_case(out: Path, rank: int, world: int, stage: int, dtype: str, config: d
         grads.append(None if dtype == "fp16" else full_grads(engine))
 
     train(engine, rank, world, steps=5 if dtype == "fp16" else STEPS, at_boundary=at_boundary,
-          after_step=lambda: states.append(full_state(engine) if engine.was_step_applied() else None))
+          after_step=after_step)
     monitor.close()
     restored = "step" not in engine.__dict__ and "backward" not in engine.__dict__
     return {"records": [{"step": r.step, "micro_steps": r.micro_steps, "metrics": r.metrics,
                          "alerts": [a.as_dict() for a in r.alerts]} for r in monitor.history],
-            "grads": grads, "states": states, "scales": scales, "transfers": monitor.transfers,
+            "grads": grads, "states": states, "scales": scales, "ds_norms": norms, "transfers": monitor.transfers,
             "decides_early": monitor.decide_early, "incidents": _incidents(out, rank),
             "optimizer": type(engine.optimizer).__name__, "restored": restored}
 
@@ -213,6 +227,8 @@ def run_launch(rank: int, world: int, out: str) -> dict:
         per_rank, rank, world, 1, "fp32", config=monitor_config(per_rank, per_rank=True), engine_monitor=True,
         tensorboard={"enabled": True, "job_name": "ds", "output_path": str(per_rank / "deepspeed")})
     results["different modules"] = different_modules(root / "different-modules", rank, world)
+    results["local-norm"] = run_case(root / "local-norm", rank, world, 2, "fp32",
+                                     patch=local_partition_norm(rank, world))
     results["skip-zero2-fp32"] = action_case(root / "skip-zero2-fp32", rank, world, 2, "fp32")
     results["stop-zero2-per-rank"] = stop_case(root / "stop-zero2-per-rank", rank, world, 2, per_rank=True)
     enable_fp16_on_cpu()
@@ -229,7 +245,32 @@ def fp16_stop_config(out: Path) -> dict:
     """fp16 under a stop rule on every loss-scaled kind: routine overflows must not fire it."""
     return monitor_config(out, watch={**WATCH, "activation_grads": True},
                           alerts=[{"rule": "non_finite", "targets": ["loss", "actv", "actv_grad", "grad"],
-                                   "action": "stop"}])
+                                   "action": "stop"}, MISREPORTED])
+
+
+def local_partition_norm(rank: int, world: int) -> Callable:
+    """The local-shard bug inside DeepSpeed's own norm: ZeRO-1/2's `get_grad_norm_direct`
+    reduces the squared norms of this rank's gradient partition over a group of this rank
+    alone instead of the data-parallel group, so `engine.get_global_grad_norm()` is the norm of
+    the partition (the gradients themselves, and their reduction, are untouched)."""
+    import torch.distributed as dist
+
+    alone = [dist.new_group([r]) for r in range(world)][rank]  # every rank creates every group
+
+    def patch(engine) -> None:
+        optimizer = engine.optimizer
+        original = optimizer.get_grad_norm_direct
+
+        def partition_norm(*args, **kwargs):
+            group, optimizer.dp_process_group = optimizer.dp_process_group, alone
+            try:
+                return original(*args, **kwargs)
+            finally:
+                optimizer.dp_process_group = group
+
+        optimizer.get_grad_norm_direct = partition_norm
+
+    return patch
 
 
 def enable_fp16_on_cpu() -> None:
@@ -298,7 +339,7 @@ def action_config(out: Path, action: str = "skip", targets=("loss", "actv", "gra
     skip keeps DeepSpeed from applying the step); a nan fires non_finite."""
     rules = [{"rule": "spike", "metrics": [f"actv/{CULPRIT}/output/norm"], "factor": 3.0, "warmup": 1,
               "action": "skip"},
-             {"rule": "non_finite", "targets": list(targets), "action": action}]
+             {"rule": "non_finite", "targets": list(targets), "action": action}, MISREPORTED]
     return monitor_config(out, alerts=rules, **overrides)
 
 

@@ -36,6 +36,7 @@ pytestmark = pytest.mark.slow
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 LAUNCH_TIMEOUT = 300.0
+REPORTED = "train/reported_grad_norm"
 FP32_CASES = [f"zero{s}-fp32" for s, d in CASES if d == "fp32"]
 BF16_CASES = [f"zero{s}-bf16" for s, d in CASES if d == "bf16"] + ["zero1-bf16-fp32acc"]
 
@@ -121,7 +122,10 @@ def test_fp32_stages_equal_the_model_trained_without_deepspeed(launches, referen
     results = launches[world][1][0]
     for name in FP32_CASES:
         for record, reference in zip(results[name]["records"], references[world], strict=True):
-            assert set(record["metrics"]) == set(reference)  # plain PyTorch has train/skipped too
+            # plain PyTorch has train/skipped too; DeepSpeed's own norm is the one tag more
+            # (ZeRO 1-3: test_deepspeeds_own_grad_norm_is_reported_and_equals_the_merged_one)
+            assert set(record["metrics"]) - {REPORTED} == set(reference)
+            assert (REPORTED in record["metrics"]) == (not name.startswith("zero0")), name
             bad = mismatches(record["metrics"], reference, fp32_tolerance)
             assert not bad, f"world {world} {name} step {record['step']}: {bad[:5]}"
 
@@ -275,6 +279,54 @@ def test_a_model_that_is_not_a_deepspeed_engine_is_refused():
 
     with pytest.raises(TypeError, match=r"deepspeed.initialize .* got torch.nn.modules.linear.Linear"):
         DeepSpeedMonitor(torch.nn.Linear(2, 2))
+
+
+# ---- DeepSpeed's own grad norm, cross-checked ----------------------------------------------------------
+def _misreported(records: list[dict]) -> list[int]:
+    return [a["step"] for r in records for a in r["alerts"]
+            if a["rule"] == "misreported_grad_norm" and a["phase"] == "start"]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_deepspeeds_own_grad_norm_is_reported_and_equals_the_merged_one(launches, world):
+    """`engine.get_global_grad_norm()` (pre-clip, unscaled) goes to `train/reported_grad_norm` on
+    every applied step of ZeRO 1-3 and the bf16/fp16 wrappers, equal to the monitor's merged
+    `grad/global/norm` (the rule, at tolerance 1e-5, stays silent); ZeRO-0 fp32 has none. The
+    skip cases decide before the step: the rule is evaluated after it all the same."""
+    for rank, results in enumerate(launches[world][1]):
+        for name in cases(world) + skip_cases(world):
+            result = results[name]
+            assert not _misreported(result["records"]), (world, rank, name)
+            if name.startswith("skip"):
+                continue
+            for record, ds_norm in zip(result["records"], result["ds_norms"], strict=True):
+                metrics = record["metrics"]
+                if name == "zero0-fp32":
+                    assert ds_norm is None and REPORTED not in metrics
+                elif metrics["train/skipped"]:  # an fp16 overflow: the gradients were dropped
+                    assert REPORTED not in metrics and "grad/global/norm" not in metrics
+                else:
+                    assert metrics[REPORTED] == pytest.approx(ds_norm, rel=1e-6), (name, record["step"])
+                    assert metrics[REPORTED] == pytest.approx(metrics["grad/global/norm"], rel=1e-5), name
+    for record in launches[world][1][0][skip_cases(world)[-1]]["records"]:
+        metrics = record["metrics"]
+        if math.isfinite(metrics["grad/global/norm"]):  # (a nan step's norms are nan: not checked)
+            assert metrics[REPORTED] == pytest.approx(metrics["grad/global/norm"], rel=1e-5)
+
+
+def test_a_grad_norm_of_one_partition_inside_deepspeed_is_caught(launches):
+    """ZeRO-2 on 2 ranks with DeepSpeed's norm reduced over this rank alone (its own partition:
+    the local-shard bug): the alert fires at the first step, on both ranks, and the reported
+    norm is well below the merged one (about 1/sqrt(2) of it)."""
+    for results in launches[2][1]:
+        records = results["local-norm"]["records"]
+        assert _misreported(records) == [0]
+        for record in records:
+            metrics = record["metrics"]
+            assert 0.3 < metrics[REPORTED] / metrics["grad/global/norm"] < 0.95
+        alert = next(a for a in records[0]["alerts"] if a["rule"] == "misreported_grad_norm")
+        assert alert["tag"] == REPORTED and alert["threshold"] == pytest.approx(
+            records[0]["metrics"]["grad/global/norm"])
 
 
 # ---- actions: skip, stop, incidents ------------------------------------------------------------------

@@ -28,13 +28,17 @@ RTOL = 1e-5
 STATS = ["min", "max", "mean", "norm", "nan_count", "inf_count", "numel"]
 FULL_WATCH = {"activation_grads": True, "params": True,
               "optimizer_state": ["exp_avg", "exp_avg_sq", "update", "ratio"]}
+#: Megatron's own grad norm (what `optimizer.step()` returns) checked against the merged one
+MISREPORTED = {"rule": "misreported_grad_norm", "tolerance": 1e-5}
+DEFAULT_RULES = [{"rule": "non_finite"}, {"rule": "spike"}]  # the config's default alerts
+REPORTED = "train/reported_grad_norm"
 
 
 # ---- what runs in the ranks -------------------------------------------------------------------
 
 def _config(out: str, name: str, **extra) -> dict:
     return {"output_dir": str(Path(out) / name), "strict": True, "sinks": ["jsonl", EVERY_TAG_TENSORBOARD], "stats": STATS,
-            "watch": FULL_WATCH, **extra}
+            "watch": FULL_WATCH, "alerts": [*DEFAULT_RULES, MISREPORTED], **extra}
 
 
 def _batches(step: int) -> list:
@@ -75,13 +79,19 @@ def _counting_gathers() -> Iterator[list[int]]:
 
 
 def _train(out: str, name: str, batches_of, *, distributed_optimizer: bool = False,
-           reference: bool = False, nan_step: int | None = None) -> dict:
-    """Train STEPS (+1 with `nan_step`) steps of the tiny GPT under a MegatronMonitor."""
+           reference: bool = False, nan_step: int | None = None, local_norm: bool = False) -> dict:
+    """Train STEPS (+1 with `nan_step`) steps of the tiny GPT under a MegatronMonitor.
+    `local_norm`: Megatron's grad norm is reduced over a group of this rank alone (the
+    tensor-parallel group, of size 1 here) instead of every rank: with the distributed
+    optimizer, the norm of this rank's shard only."""
+    from megatron.core import parallel_state
     from tests import megatron_helpers as H
     from msprobe_integrations.megatron import MegatronMonitor
 
     model = H.wrap_ddp(H.build_gpt(), distributed_optimizer=distributed_optimizer)
     optimizer = H.build_optimizer([model])
+    if local_norm:
+        optimizer.chained_optimizers[0].grad_stats_parallel_group = parallel_state.get_tensor_model_parallel_group()
     monitor = MegatronMonitor([model], optimizer, config=_config(out, name))
     steps = []
     with _counting_gathers() as gathers:
@@ -108,7 +118,7 @@ def _nan_check_run(out: str) -> dict:
     H.fresh_rerun_engine()
     model = H.wrap_ddp(H.build_gpt(), check_for_nan_in_grad=True)
     optimizer = H.build_optimizer([model])
-    config = _config(out, "nan_check", alerts=[{"rule": "non_finite", "action": "stop"}])
+    config = _config(out, "nan_check", alerts=[{"rule": "non_finite", "action": "stop"}, MISREPORTED])
     monitor = MegatronMonitor([model], optimizer, config=config)
     jsonl = Path(out) / "nan_check" / "rank0" / "metrics.jsonl"
     result = {"error": None}
@@ -161,7 +171,7 @@ def _skip_run(out: str) -> dict:
     H.fresh_rerun_engine()
     model = H.wrap_ddp(H.build_gpt())
     optimizer = H.build_optimizer([model])
-    config = _config(out, "skip", alerts=[{"rule": "non_finite", "targets": ["grad"], "action": "skip"}])
+    config = _config(out, "skip", alerts=[{"rule": "non_finite", "targets": ["grad"], "action": "skip"}, MISREPORTED])
     monitor = MegatronMonitor([model], optimizer, config=config)
     weight = model.module.output_layer.weight
     changed, norms = [], []
@@ -175,7 +185,9 @@ def _skip_run(out: str) -> dict:
         norms.append(grad_norm)
     monitor.close()
     return {"changed": changed, "megatron_grad_norms": norms,
-            "skipped": [r.metrics["train/skipped"] for r in monitor.history]}
+            "skipped": [r.metrics["train/skipped"] for r in monitor.history],
+            "metrics": [r.metrics for r in monitor.history],
+            "alerts": [(e.rule, e.step) for e in monitor.alert_log if e.phase == "start"]}
 
 
 def _bad_input(out: str) -> dict:
@@ -222,6 +234,8 @@ def world2(rank: int, world: int, out: str) -> dict:
     results["dp2_distributed"] = _train(out, "dp2_distributed", lambda s: _batches(s)[rank:rank + 1],
                                         distributed_optimizer=True)
     results["dp2_replicated"] = _train(out, "dp2_replicated", lambda s: _batches(s)[rank:rank + 1])
+    results["dp2_local_norm"] = _train(out, "dp2_local_norm", lambda s: _batches(s)[rank:rank + 1],
+                                       distributed_optimizer=True, local_norm=True)
     H.init_parallel(pp=2)
     results["pp2"] = _train(out, "pp2", _batches, nan_step=STEPS)
     return results
@@ -322,6 +336,46 @@ def test_data_parallel_equals_single_process(single, pair, variant):
         _assert_same_activations(run, single["main"])  # each rank's micro-batch merged over DP
         assert run["gathers"] == STEPS
         assert all(s["micro_steps"] == 1 for s in run["steps"])
+
+
+def _misreported(run: dict) -> list[int]:
+    return [step for step, s in enumerate(run["steps"]) for a in s["alerts"]
+            if a["rule"] == "misreported_grad_norm" and a["phase"] == "start"]
+
+
+def test_megatrons_own_grad_norm_is_reported_and_equals_the_merged_one(single, pair):
+    """The norm `optimizer.step()` returns (pre-clip, over the main gradients) goes to
+    `train/reported_grad_norm`, equal to the merged `grad/global/norm` on one rank, TP=2 and DP=2
+    (distributed optimizer or not): the rule (tolerance 1e-5) stays silent. Under PP=2 Megatron's
+    norm covers both stages and the monitor's one: it is not reported."""
+    runs = [single["main"]] + [r[v] for r in pair for v in ("tp2", "dp2_distributed", "dp2_replicated")]
+    for run in runs:
+        assert not _misreported(run)
+        for step in run["steps"]:
+            assert step["metrics"][REPORTED] == pytest.approx(step["megatron_grad_norm"], rel=1e-6)
+            assert _close(step["metrics"][REPORTED], step["metrics"]["grad/global/norm"])
+    assert not any(REPORTED in s["metrics"] for r in pair for s in r["pp2"]["steps"])
+    # a skip rule decides before the step; the norm, known after it, is checked all the same
+    skip = single["skip"]
+    assert not [a for a in skip["alerts"] if a[0] == "misreported_grad_norm"]
+    assert [REPORTED in m for m in skip["metrics"]] == [True] * (STEPS - 1) + [False]  # skipped: no norm
+    for metrics in skip["metrics"][:-1]:
+        assert _close(metrics[REPORTED], metrics["grad/global/norm"])
+
+
+def test_a_grad_norm_of_one_shard_inside_megatron_is_caught(pair):
+    """DP=2 with the distributed optimizer and Megatron's norm reduced over this rank alone (the
+    local-shard bug, in Megatron's own `get_grad_norm`): the alert fires at the first step on
+    both ranks. Each rank's Megatron norm is that of its own shard; the record holds their mean
+    (training scalars merge over data-parallel ranks as the loss does)."""
+    for rank_result in pair:
+        run = rank_result["dp2_local_norm"]
+        assert _misreported(run) == [0]
+        for step, *others in zip(*(r["dp2_local_norm"]["steps"] for r in pair)):
+            ratio = step["metrics"][REPORTED] / step["metrics"]["grad/global/norm"]
+            shards = [step["megatron_grad_norm"]] + [o["megatron_grad_norm"] for o in others]
+            assert 0.3 < ratio < 0.95 and step["metrics"][REPORTED] == pytest.approx(sum(shards) / 2)
+            assert math.isclose(math.hypot(*shards), step["metrics"]["grad/global/norm"], rel_tol=RTOL)
 
 
 def test_pipeline_stages_report_their_layers_under_global_names(single, pair, out):

@@ -28,7 +28,7 @@ def _model():
 
 def _config(out: str) -> dict:
     return {"output_dir": out, "strict": True, "sinks": [], "incidents": {"enabled": False},
-            "watch": {"params": True, "optimizer_state": ["exp_avg", "exp_avg_sq"]},
+            "watch": {"params": True, "optimizer_state": ["exp_avg", "exp_avg_sq", "update", "ratio"]},
             "alerts": [{"rule": "misreported_grad_norm"}, {"rule": "replica_drift", "every": 1, "bucket_numel": 1}]}
 
 
@@ -82,6 +82,88 @@ def _train(model, out: str, rank: int, dp: int, misreport: bool = False, perturb
             "warnings": sorted(monitor._warned), "reducer": type(monitor.reducer).__name__}
 
 
+def _replay(model, out: str, rank: int, dp: int) -> dict:
+    """Three steps through `monitor.run_step`; at step 1 one element of the first layer's output
+    (row 0 of the batch: rank 0's) turns nan, a `skip` rule fires and the step is replayed.
+    The incident's replay checks, and what each step changed."""
+    import json
+    from pathlib import Path
+
+    import torch
+    from msprobe_integrations.torch import TorchMonitor
+
+    gen = torch.Generator().manual_seed(1)
+    data, target = (torch.randn(BATCH, 4, generator=gen, dtype=torch.float64),
+                    torch.randn(BATCH, 2, generator=gen, dtype=torch.float64))
+    part = slice(rank * BATCH // dp, (rank + 1) * BATCH // dp)
+    monitor = None
+
+    def corrupt(module, args, output):
+        if monitor.step == 1 and rank == 0:
+            output = output.clone()
+            output.view(-1)[0] = float("nan")
+            return output
+
+    inner = getattr(model, "module", model)
+    inner[0].register_forward_hook(corrupt)  # before the monitor's hooks: they see the nan
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = {"output_dir": out, "strict": True, "sinks": [], "watch": {"params": True},
+              "alerts": [{"rule": "non_finite", "action": "skip"}]}
+    monitor = TorchMonitor(model, opt, config)
+
+    def train_step(x, y):
+        loss = (model(x) - y).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    for _ in range(3):
+        monitor.run_step(train_step, data[part], target[part])
+    monitor.close()
+    incident = json.loads((Path(out) / "incidents" / f"step1-rank{rank}-non_finite" / "incident.json").read_text())
+    return {"replay": incident["replay"], "culprit": incident["culprit"]["first_bad"],
+            "metrics": [r.metrics for r in monitor.history]}
+
+
+def _per_rank_skip(model, out: str, rank: int, world: int) -> dict:
+    """DDP with `per_rank: true` (each rank's rules see its own activations) and a `skip` rule:
+    a nan in rank 0's activations at step 1 only. What each rank decided, its weights after
+    three steps and the replica check's alerts."""
+    import torch
+    from msprobe_integrations.torch import TorchMonitor
+
+    gen = torch.Generator().manual_seed(1)
+    data, target = (torch.randn(BATCH, 4, generator=gen, dtype=torch.float64),
+                    torch.randn(BATCH, 2, generator=gen, dtype=torch.float64))
+    part = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    monitor = None
+
+    def corrupt(module, args, output):
+        if monitor.step == 1 and rank == 0:
+            output = output.clone()
+            output.view(-1)[0] = float("nan")
+            return output
+
+    model.module[0].register_forward_hook(corrupt)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = {"output_dir": out, "strict": True, "sinks": [], "per_rank": True,
+              "alerts": [{"rule": "non_finite", "targets": ["actv"], "action": "skip"},
+                         {"rule": "replica_drift", "every": 1, "bucket_numel": 1}]}
+    monitor = TorchMonitor(model, opt, config)
+    for _ in range(3):
+        loss = (model(data[part]) - target[part]).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        monitor.step_end(loss.detach())
+    monitor.close()
+    return {"skipped": [r.metrics["train/skipped"] for r in monitor.history],
+            "alerts": [(e.rule, e.step) for e in monitor.alert_log if e.phase == "start"],
+            "weights": torch.cat([p.detach().flatten() for p in model.parameters()]).tolist(),
+            "warnings": sorted(monitor._warned)}
+
+
 def _two_ranks(rank: int, world: int, out: str) -> dict:
     import torch
     import torch.distributed as dist
@@ -92,12 +174,19 @@ def _two_ranks(rank: int, world: int, out: str) -> dict:
     dist.init_process_group("gloo")
     results = {"ddp": _train(DistributedDataParallel(_model()), f"{out}/ddp", rank, world,
                              perturb="2.weight" if rank == 1 else "")}
+    results["ddp_per_rank_skip"] = _per_rank_skip(DistributedDataParallel(_model()), f"{out}/per_rank", rank,
+                                                  world)
     model = _model()
     mesh = init_device_mesh("cpu", (world,))
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh)
     results["fsdp2"] = _train(model, f"{out}/fsdp2", rank, world, misreport=True)
+    model = _model()
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    results["fsdp2_replay"] = _replay(model, f"{out}/fsdp2_replay", rank, world)
     model = _model().float()  # bf16 compute, fp32 shards and reduce-scatter, 2 micro-batches
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in (model[0], model[2]):
@@ -120,10 +209,11 @@ def _two_ranks(rank: int, world: int, out: str) -> dict:
     return results
 
 
-def _hsdp(rank: int, world: int, out: str) -> dict:
+def _four_ranks(rank: int, world: int, out: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     dist.init_process_group("gloo")
     model = _model()
@@ -132,9 +222,18 @@ def _hsdp(rank: int, world: int, out: str) -> dict:
         fully_shard(layer, mesh=mesh, reshard_after_forward=False)
     fully_shard(model, mesh=mesh)
     # rank 3 holds the same shards as rank 1 (coordinates (1, 1) and (0, 1)): perturb its copy
-    result = _train(model, out, rank, world, perturb="0.bias" if rank == 3 else "")
+    results = {"hsdp": _train(model, f"{out}/hsdp", rank, world, perturb="0.bias" if rank == 3 else "")}
+    # tensor parallel over "tp" (a column- then a row-parallel Linear), FSDP2 over "dp"; the two
+    # ranks of a TP pair see the same half of the batch
+    model = _model()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    results["tp_fsdp2"] = _train(model, f"{out}/tp_fsdp2", rank // 2, 2)
     dist.destroy_process_group()
-    return result
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +241,10 @@ def runs(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("torch_distributed")
     two = run_ranks(_two_ranks, 2, str(out / "two"), timeout=240)
     return {"single": _train(_model(), str(out / "single"), 0, 1), **two[0],
-            "hsdp": run_ranks(_hsdp, 4, str(out / "hsdp"), timeout=240)[0]}
+            "single_replay": _replay(_model(), str(out / "single_replay"), 0, 1),
+            "fsdp2_replay_rank1": two[1]["fsdp2_replay"],
+            "per_rank_skip": [two[r]["ddp_per_rank_skip"] for r in (0, 1)],
+            **run_ranks(_four_ranks, 4, str(out / "four"), timeout=240)[0]}
 
 
 def _close(a: float, b: float) -> bool:
@@ -152,11 +254,13 @@ def _close(a: float, b: float) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["ddp", "fsdp2", "hsdp"])
+@pytest.mark.parametrize("layout", ["ddp", "fsdp2", "hsdp", "tp_fsdp2"])
 def test_statistics_equal_the_single_process_ones(runs, layout):
     reference, got = runs["single"]["metrics"][0], runs[layout]["metrics"][0]
     assert set(got) == set(reference)
     assert {t.split("/")[0] for t in got} >= {"grad", "param", "optim", "actv", "train"}
+    # the step's update (after - before, on the shards under FSDP2) and update/param ratio too
+    assert {"optim/0.weight/update/norm", "optim/0.weight/ratio", "optim/2.bias/ratio"} <= set(got)
     timings = {t for t in reference if t.endswith("_ms")}  # the monitor's host time (Health/monitor_ms)
     wrong = {t: (got[t], reference[t]) for t in set(reference) - timings if not _close(got[t], reference[t])}
     assert not wrong, wrong
@@ -165,7 +269,7 @@ def test_statistics_equal_the_single_process_ones(runs, layout):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["single", "ddp", "fsdp2", "fsdp2_mp", "hsdp"])
+@pytest.mark.parametrize("layout", ["single", "ddp", "fsdp2", "fsdp2_mp", "hsdp", "tp_fsdp2"])
 def test_gradient_norms_equal_those_of_the_gathered_gradients(runs, layout):
     """Merged from shards (or taken once from copies), each gradient's norm is the full one's."""
     metrics, truth = runs[layout]["metrics"][0], runs[layout]["truth"]
@@ -186,8 +290,39 @@ def test_fsdp2_gradients_are_sharded_yet_merged(runs):
 @pytest.mark.slow
 def test_a_loop_reporting_its_local_shard_norm_is_caught(runs):
     assert [(rule, step) for rule, step, *_ in runs["fsdp2"]["alerts"]] == [("misreported_grad_norm", 1)]
-    for layout in ("single", "ddp", "hsdp"):  # clip_grad_norm_'s own return is the true norm
+    for layout in ("single", "ddp", "hsdp", "tp_fsdp2"):  # clip_grad_norm_'s own return is the true norm
         assert not [a for a in runs[layout]["alerts"] if a[0] == "misreported_grad_norm"], layout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [0, 1])
+def test_an_fsdp2_step_replay_reproduces_the_single_process_one(runs, rank):
+    """Both ranks replay the step whose merged rows fired (the nan was in rank 0's data only);
+    the replay's statistics are merged like the step's, so they equal the single process's."""
+    single, fsdp2 = runs["single_replay"], runs["fsdp2_replay" if rank == 0 else "fsdp2_replay_rank1"]
+    assert single["replay"]["status"] == fsdp2["replay"]["status"] == "reproducible"
+    assert fsdp2["culprit"] == single["culprit"] == "actv/0/output"
+    checks = [(c["tag"], c["value"], c["replay_value"], c["identical"]) for c in fsdp2["replay"]["checks"]]
+    assert checks == [(c["tag"], c["value"], c["replay_value"], c["identical"]) for c in single["replay"]["checks"]]
+    assert [m["train/skipped"] for m in fsdp2["metrics"]] == [0.0, 1.0, 0.0]
+    after = fsdp2["metrics"][2]  # the skipped step left no trace: the next step is the single process's
+    wrong = {t: v for t, v in after.items() if t.startswith(("grad/", "param/", "train/loss"))
+             and not _close(v, single["metrics"][2][t])}
+    assert not wrong, wrong
+
+
+@pytest.mark.slow
+def test_per_rank_skip_decisions_are_made_collectively(runs):
+    """per_rank: only rank 0's own rules see its nan; one all-reduce of the decision makes rank 1
+    skip the same step, so the replicas stay bit-identical (the replica check stays silent)."""
+    ranks = runs["per_rank_skip"]
+    for rank, result in enumerate(ranks):
+        assert result["skipped"] == [0.0, 1.0, 0.0], rank
+        assert ("replica_drift", 1) not in result["alerts"] and ("replica_drift", 2) not in result["alerts"]
+    assert [a for a in ranks[0]["alerts"] if a[0] == "non_finite"] == [("non_finite", 1)]
+    assert not [a for a in ranks[1]["alerts"] if a[0] == "non_finite"]  # rank 1's own rows were clean
+    assert ranks[0]["weights"] == ranks[1]["weights"]
+    assert all(math.isfinite(w) for w in ranks[1]["weights"])
 
 
 @pytest.mark.slow
@@ -244,3 +379,38 @@ def test_drift_is_named_against_the_majority_of_the_replicas():
     flipped = weights.clone()
     flipped.view(torch.int32)[7] ^= 1  # one flipped low mantissa bit
     assert checksum(weights) != checksum(flipped) and checksum(weights) == checksum(weights.clone())
+
+
+def test_a_norm_known_only_after_the_step_is_checked_when_a_skip_rule_decides_before_it(tmp_path):
+    """DeepSpeed's and Megatron's norms come after their optimizer step, while a skip rule makes
+    the monitor decide before it: misreported_grad_norm (a whole-step rule) is evaluated after
+    the step on the step's rows together, so a norm reported then is still checked; its `stop`
+    takes effect at the next step's decision."""
+    import torch
+    from msprobe_engine.incident import TrainingStopped
+    from msprobe_integrations.torch import TorchMonitor
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = {**_config(str(tmp_path)), "alerts": [{"rule": "non_finite", "action": "skip"},
+                                                    {"rule": "misreported_grad_norm", "action": "stop"}]}
+    monitor = TorchMonitor(model, opt, config)
+    assert monitor.monitor.decide_early
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(BATCH, 4, generator=gen).double(), torch.randn(BATCH, 2, generator=gen).double()
+    steps_done = 0
+    with pytest.raises(TrainingStopped, match="misreported_grad_norm") as stopped:
+        for step in range(4):
+            loss = (model(x) - y).pow(2).mean()
+            loss.backward()
+            norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+            opt.step()
+            monitor.report_grad_norm(norm * (2.0 if step == 1 else 1.0))  # after the step; wrong at step 1
+            opt.zero_grad()
+            monitor.step_end(loss.detach())
+            steps_done += 1
+    monitor.close()
+    assert stopped.value.step == 2 and steps_done == 2  # in step 2's optimizer.step(), before the update
+    assert [(e.rule, e.step) for e in monitor.alert_log if e.phase == "start"] == [("misreported_grad_norm", 1)]
+    assert [r.step for r in monitor.history][:2] == [0, 1]
+    assert all(r.metrics["train/reported_grad_norm"] > 0 for r in list(monitor.history)[:2])

@@ -36,6 +36,9 @@ class Rule:
     """Base of every alert rule; subclasses register with `@register_rule(name)`."""
 
     name: ClassVar[str]
+    #: True: evaluated once per step on all of the step's rows (before and after the optimizer
+    #: step together), after the optimizer step; never in a decision before it
+    whole_step: ClassVar[bool] = False
 
     @dataclass(kw_only=True, slots=True)
     class Config:

@@ -9,13 +9,21 @@ tensor-parallel ranks, or taken before a reduction, disagrees with it.
 The monitor reads the gradients after clipping: with `max_norm` the expected value is
 min(reported, max_norm). A reported norm above `max_norm` cannot be checked against clipped
 gradients beyond that (they measure `max_norm` whatever the true norm).
+
+Timing: DeepSpeed's and Megatron's norms are known only once their optimizer step has run,
+while the gradients are read before it. The rule is a `whole_step` rule: it is evaluated
+once per step, after the optimizer step, on all of the step's rows together (at `step_end`;
+when a skip/stop rule makes the monitor decide before the optimizer step, with the next
+transfer, i.e. at the next step's decision or at `close`). So the norm may be reported any
+time before `step_end`, and the rule never takes part in a pre-step decision: its action is
+`continue` or `stop` (a stop takes effect at the next step's decision).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-from msprobe_engine.config.fields import between
+from msprobe_engine.config.fields import between, choices
 from msprobe_engine.rules.base import Firing, Rule, register_rule
 
 REPORTED = "train/reported_grad_norm"
@@ -28,8 +36,12 @@ class MisreportedGradNormRule(Rule):
     """The reported global grad norm differs from the merged one by more than `tolerance`
     (relative); the alert's value is the reported norm, its threshold the merged one."""
 
+    whole_step = True
+
     @dataclass(kw_only=True, slots=True)
     class Config(Rule.Config):
+        # evaluated after the optimizer step: it cannot skip that step (see the module docstring)
+        action: str = field(default="continue", metadata=choices("continue", "stop"))
         tolerance: float = field(default=1e-3, metadata=between(0.0, 1.0))
 
     def evaluate(self, table, stats, metrics) -> list[Firing]:

@@ -15,7 +15,9 @@ What is read, and where (ZeRO 0/1/2/3; fp32, bf16, fp16):
   a micro-step is one forward of `engine.module`;
 - parameter gradients: once per optimizer step, at the accumulation boundary
   before `engine.step()`, divided by the fp16 loss scale (before clipping);
-- fp32 parameters and optimizer state (exp_avg, exp_avg_sq): after the step.
+- fp32 parameters and optimizer state (exp_avg, exp_avg_sq): after the step, with
+  DeepSpeed's own `engine.get_global_grad_norm()` as `train/reported_grad_norm` (checked by
+  the `misreported_grad_norm` rule against the merged norm).
 Each rank measures only its own pieces (ZeRO shards; ZeRO-0 replicas split
 between the ranks) and one all-gather per monitored step merges the partial
 statistics over the data-parallel group (`msprobe_integrations.deepspeed.merge`);
@@ -26,7 +28,7 @@ Alert actions are applied in `engine.step()` (`hooks.EngineHooks`): `skip` runs 
 step with the torch optimizer's and lr scheduler's `step` as no-ops, `stop` raises
 `TrainingStopped` before it; fp16 overflow steps are screened out of the decision.
 
-DeepSpeed names relied on. Public: `DeepSpeedEngine.backward/step/
+DeepSpeed names relied on. Public: `DeepSpeedEngine.backward/step/get_global_grad_norm/
 is_gradient_accumulation_boundary/was_step_applied/managed_gradient_accumulation/
 zero_optimization_stage/fp16_enabled/global_steps/train_batch_size/module/optimizer/monitor`,
 `deepspeed.utils.safe_get_local_grad/safe_get_local_fp32_param/
@@ -85,6 +87,9 @@ class DeepSpeedMonitor(Integration):
         if engine.mpu is not None:
             monitor.warn("model parallelism is set: statistics are merged over the data-parallel group "
                          "only; set per_rank: true to keep every model-parallel rank's records")
+            if any(rule.rule == "misreported_grad_norm" for rule in config.alerts):
+                monitor.warn("misreported_grad_norm with model parallelism: DeepSpeed's grad norm covers the "
+                             "model-parallel ranks, the monitor's only this rank's part; it is not checked")
         reader = shard_reader(engine, dist.get_rank(group) if distributed else 0, reducer.world, monitor.warn)
         monitor.add_attachment(ModuleHooks(monitor, engine.module), EngineHooks(monitor, engine, reader))
         if engine_monitor:

@@ -4,7 +4,8 @@
     engine.step()          at the accumulation boundary, before DeepSpeed's step: the losses
                            and parameter gradients (divided by the fp16 loss scale), then
                            `monitor.before_optimizer_step()`; after it: whether the step was
-                           applied, parameters and optimizer state, `step_end`.
+                           applied, parameters and optimizer state, DeepSpeed's own global
+                           grad norm (`report_grad_norm`), `step_end`.
 
 The monitor's decision is applied here. `skip`: DeepSpeed's step runs with the wrapped torch
 optimizer's `step` and the lr scheduler's `step` made no-ops for that one call (instance
@@ -13,7 +14,8 @@ to the model and clears the gradients as usual; nothing else is replaced. `stop`
 `TrainingStopped` propagates out of `engine.step()` before DeepSpeed's step, with the step's
 record and incident on disk. The decision is made on statistics merged over the
 data-parallel ranks, so all ranks take the same one; with `per_rank: true` (whose loss and
-activation rows are each rank's own) one extra all-reduce of two flags makes them agree.
+activation rows are each rank's own) one extra all-reduce of two flags makes them agree
+(`RankMerge.agree`, called by `monitor.before_optimizer_step`).
 
 With fp16, a step DeepSpeed skips (loss-scale overflow) is recorded as `train/skipped` = 1
 with its gradients dropped: they were thrown away, not applied, and are no model anomaly.
@@ -25,6 +27,7 @@ on a routine overflow.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
@@ -68,8 +71,6 @@ class EngineHooks:
         self.param_keys = [MetricKey("param", n) for n in names] if watch.params or self.update else []
         self.states = [s for s in watch.optimizer_state if s in ("exp_avg", "exp_avg_sq")]
         self.fp16 = engine.fp16_enabled()
-        # per-rank records keep rank-local rows: the ranks' decisions must be made to agree
-        self.agree = monitor.config.per_rank and monitor.reducer is not None and monitor.reducer.world > 1
         self._overflow = False
         self._before: list[torch.Tensor] | None = None
         self._losses: list[torch.Tensor] = []
@@ -116,32 +117,19 @@ class EngineHooks:
             if self.update:
                 with monitor.guard("DeepSpeed parameters before the step"), torch.no_grad():
                     self._before = [t.clone() for t in reader.masters()]
-        # The rules whose action needs a decision fire here, before DeepSpeed updates the weights.
-        deciding = monitor.active and monitor.decide_early
+        # The rules whose action needs a decision fire here, before DeepSpeed updates the weights
+        # (with per_rank, made the same on every rank by the reducer: RankMerge.agree).
         skip, stopped = False, None
         try:
             skip = monitor.before_optimizer_step(screen=self._screen_overflow if self.fp16 else None).skip
         except TrainingStopped as exc:
             stopped = exc
-        if deciding and self.agree:
-            skip, stopped = self._agree(skip, stopped)
         if stopped is not None:
             with monitor.guard("DeepSpeed stop"):  # the stopping step's own record goes to disk too
                 monitor.drain()
             monitor.flush()
             raise stopped
         return skip
-
-    def _agree(self, skip: bool, stopped: TrainingStopped | None) -> tuple[bool, TrainingStopped | None]:
-        """per_rank: one all-reduce (max) of (skip, stop) over the data-parallel group."""
-        import torch.distributed as dist
-
-        flags = torch.tensor([float(skip or stopped is not None), float(stopped is not None)],
-                             device=self.engine.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.monitor.reducer.group)
-        if stopped is None and bool(flags[1]):
-            stopped = TrainingStopped(self.monitor.step, ["(a rule on another data-parallel rank)"], [])
-        return bool(flags[0]), stopped
 
     def _screen_overflow(self, table: StatTable) -> StatTable:
         """fp16: DeepSpeed skips a step whose gradients hold an inf or nan (a loss-scale overflow,
@@ -189,10 +177,27 @@ class EngineHooks:
                     monitor.discard(kind)
             elif self.reader is not None:
                 self._read_after_step(self.reader, applied and not skipped)
+                self._report_norm()
         self._before = None
         self._overflow = False
         monitor.after_optimizer_step()
         monitor.step_end()
+
+    def _report_norm(self) -> None:
+        """DeepSpeed's own global gradient norm of this step, for the `misreported_grad_norm` rule.
+        `engine.get_global_grad_norm()` is set inside `engine.step()`, before clipping and divided
+        by the fp16 loss scale (ZeRO 1/2/3, the bf16/fp16 wrappers): the very gradients read before
+        the step. None (nothing reported): ZeRO-0 fp32 (a plain torch optimizer keeps none) and
+        `zero_optimization.compute_grad_norm: false`. A float inf is DeepSpeed's overflow marker,
+        not a norm: it is not reported either (the gradient rows show the inf/nan themselves).
+        With model parallelism (`engine.mpu`) DeepSpeed's norm covers the model-parallel ranks and
+        the monitor's the data-parallel group only: not reported."""
+        if not self.grad_keys or self.engine.mpu is not None:  # (mpu: over other ranks than the merge)
+            return
+        with self.monitor.guard("DeepSpeed global grad norm"):
+            norm = self.engine.get_global_grad_norm()
+            if isinstance(norm, torch.Tensor) or (norm is not None and math.isfinite(norm)):
+                self.monitor.report_grad_norm(norm)
 
     def _read_after_step(self, reader: ShardReader, applied: bool) -> None:
         if self.param_keys:

@@ -14,7 +14,8 @@ from typing import Sequence
 
 import torch
 
-from msprobe_engine.frameworks.torch.distributed import LOCAL, MERGE, GroupMerge
+from msprobe_engine.frameworks.torch.distributed import LOCAL, MERGE, GroupMerge, agree
+from msprobe_engine.incident.actions import StepDecision
 from msprobe_engine.stats.table import MetricKey
 
 #: kinds whose tensors differ from rank to rank (each rank's own data)
@@ -29,9 +30,19 @@ class RankMerge:
         self.merge = GroupMerge(group, "data")
         self.per_rank = per_rank
         self.world = self.merge.world
+        self._device = torch.device("cpu")  # where the rows live (the collectives' device)
 
     def policy(self, key: MetricKey) -> str:
         return LOCAL if self.per_rank and key.kind in RANK_LOCAL_KINDS else MERGE
 
+    def agree(self, decision: StepDecision) -> StepDecision:
+        """`Monitor.before_optimizer_step`, with a skip/stop rule: with `per_rank` (rank-local loss
+        and activation rows) one all-reduce of the decision makes every rank take any rank's
+        skip/stop (`distributed.agree`); otherwise the rules saw merged rows alike on every rank."""
+        if not self.per_rank or self.world == 1:
+            return decision
+        return agree(decision, self.group, self._device)
+
     def __call__(self, keys: Sequence[MetricKey], rows: torch.Tensor) -> torch.Tensor:
+        self._device = rows.device
         return self.merge(keys, rows, self.policy)

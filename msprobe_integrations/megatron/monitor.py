@@ -63,7 +63,11 @@ class MegatronMonitor(Integration):
         monitor.add_attachment(*[ModuleHooks(monitor, chunk.module, name_map=chunk.rename, counts_micro_steps=i == 0,
                                              exclude_types=UNWATCHED)
                                  for i, chunk in enumerate(chunks)])
-        monitor.add_attachment(OptimizerTap(monitor, optimizer, slots))
+        # Megatron's norm covers every pipeline stage, the monitor's merged one this stage's only
+        monitor.add_attachment(OptimizerTap(monitor, optimizer, slots, reports_norm=layout.pp_size == 1))
+        if layout.pp_size > 1 and any(rule.rule == "misreported_grad_norm" for rule in config.alerts):
+            monitor.warn(f"misreported_grad_norm under {layout.pp_size} pipeline stages: Megatron's grad norm "
+                         "covers all stages and the monitor's only this stage's; it is not checked")
         self._watch_validation()
 
     def _watch_validation(self) -> None:

@@ -18,9 +18,15 @@ thrown away, not applied. A torch optimizer is read in its step pre/post hooks,
 with the gradient taken from `main_grad` when Megatron's DDP keeps one.
 A parameter without a main tensor on this rank is measured as an empty tensor,
 so that every rank reports the same rows and the merge fills them in.
+
+The global gradient norm `step()` returns (Megatron's own, before clipping) is passed to
+`monitor.report_grad_norm` on one pipeline stage (the monitor's norm is that of its stage's
+parameters, Megatron's that of all stages): the `misreported_grad_norm` rule checks it against
+the merged `grad/global/norm` after the step.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -125,6 +131,16 @@ def _slots_replicated(sub: Any, slots: dict[int, Slot]) -> None:
             slot.main, slot.inner = main, inner
 
 
+def computes_grad_norm(optimizer: Any) -> bool:
+    """Whether the second value `optimizer.step()` returns is a computed norm: always for a
+    `ChainedOptimizer` (megatron-core 0.16), only with `clip_grad > 0` otherwise (without
+    clipping `FP32Optimizer` returns None and the mixed-precision and distributed optimizers
+    return 0.0, no norm). A torch optimizer returns none."""
+    if isinstance(optimizer, ChainedOptimizer):
+        return True
+    return isinstance(optimizer, MegatronOptimizer) and getattr(optimizer.config, "clip_grad", 0.0) > 0.0
+
+
 def grad_of(tensor: torch.Tensor) -> torch.Tensor | None:
     """Where Megatron keeps a tensor's gradient: DDP's `main_grad`, else `.grad`, else the
     precision-aware optimizer's `decoupled_grad`."""
@@ -140,9 +156,12 @@ class OptimizerTap:
     the monitor (`before_optimizer_step` once the gradients are final, before any weight
     changes; `after_optimizer_step`)."""
 
-    def __init__(self, monitor: "Monitor", optimizer: Any, slots: list[Slot]) -> None:
+    def __init__(self, monitor: "Monitor", optimizer: Any, slots: list[Slot], reports_norm: bool = False) -> None:
+        """`reports_norm`: pass the norm `optimizer.step()` returns to `monitor.report_grad_norm`
+        (see `computes_grad_norm`)."""
         self.monitor = monitor
         self.slots = slots
+        self.reports_norm = reports_norm and computes_grad_norm(optimizer)
         watch = monitor.config.watch
         self.states = [s for s in watch.optimizer_state if s in ("exp_avg", "exp_avg_sq")]
         self.update = any(s in ("update", "ratio") for s in watch.optimizer_state)
@@ -173,7 +192,21 @@ class OptimizerTap:
     def _step_done(self, result: Any) -> Any:
         """After Megatron's `step()`, which returned (update_successful, grad_norm, num_zeros)."""
         self._after_step(skipped=not result[0])
+        if self.reports_norm and result[0]:
+            self._report_norm(result[1])
         return result
+
+    def _report_norm(self, norm: Any) -> None:
+        """Megatron's own global gradient norm, for the `misreported_grad_norm` rule: taken in
+        `step()` after `prepare_grads()` and before clipping, over the main gradients the monitor
+        read (its tensor-parallel duplicates and shared parameters left out, reduced over the
+        model-parallel group, or over every rank with the distributed optimizer). A non-finite
+        norm is not reported: the gradient rows show the inf/nan themselves."""
+        monitor = self.monitor
+        if monitor.active and monitor.config.watch.param_grads and norm is not None:
+            with monitor.guard("Megatron grad norm"):
+                if isinstance(norm, torch.Tensor) or math.isfinite(norm):
+                    monitor.report_grad_norm(norm)
 
     def _torch_pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if self._grads_ready(False):  # torch.optim leaves a parameter without .grad untouched

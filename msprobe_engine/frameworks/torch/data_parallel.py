@@ -8,6 +8,12 @@ statistics, and the reducer that merges them over the ranks in one collective.
   are measured on this rank's shard (`fsdp.LocalShards`) and merged exactly; the rows of
   a non-lead HSDP replica are replaced by the empty row (the merge's identity) first, so that
   every shard counts once in the same single all-gather.
+- FSDP2 with tensor parallelism (`parallelize_module` on the "tp" dimension of a 2-D
+  (data, tensor) mesh, `fully_shard` on its data dimension): one all-gather over the
+  tensor-parallel group first (a parameter's rows merged where the parameter is sharded over
+  it, taken once where it is replicated; activations and the loss taken once where every rank
+  measured the very same bits, a replicated tensor, and merged otherwise, as under
+  Megatron), then the FSDP2 merge over the data-parallel group.
 - Anything else on more than one rank (FSDP1, a custom wrapper): nothing is merged, and a
   warning says so; no local number is passed off as a global one.
 """
@@ -19,8 +25,10 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from msprobe_engine.frameworks.torch.distributed import LOCAL, MERGE, ONCE, GroupMerge, layout_checksum
+from msprobe_engine.frameworks.torch.distributed import (AUTO, LOCAL, MERGE, ONCE, GroupMerge, agree,
+                                                         layout_checksum)
 from msprobe_engine.frameworks.torch.fsdp import shard_groups
+from msprobe_engine.incident.actions import StepDecision
 from msprobe_engine.stats.columns import EMPTY_ROW
 from msprobe_engine.stats.table import MetricKey
 
@@ -32,13 +40,16 @@ PARAM_KINDS = frozenset({"grad", "param", "optim"})
 class Wrapping:
     """How a model is parallelised: `kind` "single" (one process), "ddp", "fsdp2" or "unknown";
     `inner` the module to hook (DDP's `.module`, so names match the unwrapped model); `group`
-    the process group the statistics merge over; `mesh` FSDP2's device mesh; `problem` what
-    is not understood (for the warning)."""
+    the process group the statistics merge over (data parallel); `mesh` the device mesh of
+    FSDP2's DTensor parameters; `tp_group`/`tp_dim` the tensor-parallel group and mesh dimension
+    of FSDP2 + TP (else None); `problem` what is not understood (for the warning)."""
     kind: str
     inner: torch.nn.Module
     group: Any = None
     mesh: Any = None
     problem: str = ""
+    tp_group: Any = None
+    tp_dim: int | None = None
     world: int = field(init=False, default=1)
 
     def __post_init__(self) -> None:
@@ -61,14 +72,52 @@ def wrapping_of(model: torch.nn.Module) -> Wrapping:
         return Wrapping("unknown", model, problem=f"FullyShardedDataParallel (FSDP1) at {fsdp1} (use FSDP2's "
                         "fully_shard)")
     if any(isinstance(m, FSDPModule) for m in model.modules()):
-        meshes = {id(p.device_mesh): p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
-        mesh = next(iter(meshes.values()), None)
+        meshes: list[Any] = []  # (equal meshes may be distinct objects)
+        for p in model.parameters():
+            if isinstance(p, DTensor) and p.device_mesh not in meshes:
+                meshes.append(p.device_mesh)
+        mesh = meshes[0] if meshes else None
         if len(meshes) > 1 or mesh is None or mesh.size() != dist.get_world_size():
             return Wrapping("unknown", model, problem="fully_shard over a device mesh that is not the whole "
                             "world (or over several meshes)")
-        return Wrapping("fsdp2", model, mesh=mesh)
+        return _fsdp2_wrapping(model, mesh)
     return Wrapping("unknown", model, problem=f"{type(model).__module__}.{type(model).__name__}, which is "
                     "neither DistributedDataParallel nor fully_shard (FSDP2)")
+
+
+def _fsdp2_wrapping(model: torch.nn.Module, mesh: Any) -> Wrapping:
+    """FSDP2 on the parameters' whole mesh (1-D, HSDP), or on its data dimension with tensor
+    parallelism on the other (a 2-D (data, tensor) mesh)."""
+    dp_mesh = _fully_shard_mesh(model)
+    if dp_mesh is not None and dp_mesh.ndim == mesh.ndim:
+        return Wrapping("fsdp2", model, mesh=mesh)
+    names = mesh.mesh_dim_names or ()
+    dp_names = (dp_mesh.mesh_dim_names or ()) if dp_mesh is not None else ()
+    others = [i for i, name in enumerate(names) if name not in dp_names]
+    if dp_mesh is None or mesh.ndim != 2 or dp_mesh.ndim != 1 or not dp_names or len(others) != 1:
+        where = "of unknown dimensions" if dp_mesh is None else f"{dp_mesh.ndim}-D inside a {mesh.ndim}-D mesh"
+        return Wrapping("unknown", model, problem=f"fully_shard on a mesh {where} {tuple(names)} (FSDP2 with "
+                        "other parallelism; only a 2-D (data, tensor) mesh with fully_shard on its data "
+                        "dimension is merged)")
+    tp_dim = others[0]
+    return Wrapping("fsdp2", model, group=dp_mesh.get_group(), mesh=mesh, tp_group=mesh.get_group(tp_dim),
+                    tp_dim=tp_dim)
+
+
+def _fully_shard_mesh(model: torch.nn.Module) -> Any:
+    """The mesh `fully_shard` was given (its data-parallel dimensions), from FSDP2's state (not a
+    public API in torch 2.13: None when it is not found)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            try:
+                group = module._get_fsdp_state()._fsdp_param_group
+                if group is not None:
+                    return group.mesh_info.mesh
+            except AttributeError:
+                return None
+    return None
 
 
 def not_merged_warning(wrapping: Wrapping, rank: int) -> str:
@@ -92,22 +141,52 @@ def _fsdp1_modules(model: torch.nn.Module) -> str:
 class DataParallelMerge:
     """`monitor.reducer` under DDP/FSDP2: one all-gather of the step's packed rows over the
     group (`GroupMerge`), model-state rows taken once (DDP copies) or merged from shards (FSDP2),
-    data rows merged (or kept per rank with `per_rank`)."""
+    data rows merged (or kept per rank with `per_rank`). With tensor parallelism, one all-gather
+    over the tensor-parallel group comes first (see the module docstring)."""
 
     def __init__(self, wrapping: Wrapping, params: Sequence[tuple[str, torch.Tensor]], per_rank: bool) -> None:
         self.merge = GroupMerge(wrapping.group, "data")
         self.world = self.merge.world
         self.per_rank = per_rank
         self.sharded, self.copies = shard_groups(params) if wrapping.kind == "fsdp2" else (set(), set())
+        self.tp: GroupMerge | None = None
+        if wrapping.tp_group is not None:  # a tensor-parallel copy is taken once over TP, not blanked
+            self.tp = GroupMerge(wrapping.tp_group, "tensor")
+            self.copies = set()
+            self.tp_sharded = {n for n, p in params
+                               if getattr(p, "placements", None) and p.placements[wrapping.tp_dim].is_shard()}
         self._blank: dict[int, torch.Tensor | None] = {}
+        self._device = torch.device("cpu")  # where the rows live (the collectives' device)
+        #: a step replay's rows are merged too (`Monitor.replay_statistics`): the rules fire on merged
+        #: rows, so every rank replays the same step (its forward and backward are collective anyway)
+        self.replays_together = not per_rank
 
     def policy(self, key: MetricKey) -> str:
         if key.kind in PARAM_KINDS:
             return MERGE if key.path in self.sharded else ONCE
         return LOCAL if self.per_rank else MERGE
 
+    def agree(self, decision: StepDecision) -> StepDecision:
+        """`Monitor.before_optimizer_step`, on every rank, when a rule can skip or stop: with
+        `per_rank` the rules see each rank's own activations and loss and may decide differently,
+        and replicas that step differently diverge (or a stopping rank leaves the others waiting in
+        a collective): one all-reduce of the decision (`distributed.agree`) makes any rank's
+        skip/stop apply to all. Without `per_rank` every rank's rules see the same merged rows:
+        nothing to agree on, no collective."""
+        if not self.per_rank or self.world == 1:
+            return decision
+        return agree(decision, self.merge.group, self._device)
+
+    def tp_policy(self, key: MetricKey) -> str:
+        if key.kind in PARAM_KINDS:
+            return MERGE if key.path in self.tp_sharded else ONCE
+        return AUTO  # replicated activations (a row-parallel output, the loss) once, sharded ones merged
+
     def __call__(self, keys: list[MetricKey], rows: torch.Tensor) -> torch.Tensor:
+        self._device = rows.device
         checksum = layout_checksum(keys)
+        if self.tp is not None:
+            rows = self.tp(keys, rows, self.tp_policy, checksum)
         blank = self._blank_mask(checksum, keys, rows.device)
         if blank is not None:
             rows = torch.where(blank[:, None], _empty_row(rows), rows)
