@@ -1,7 +1,8 @@
 """MindSpore data parallelism on CPU: two workers under `msrun` (MindSpore 2.10), each with its own
 micro-batch, gradients reduced by `nn.DistributedGradReducer`. The monitor's statistics are
 those of the whole global batch on every rank; with `per_rank` each rank's activations are its
-own. The workers run with `import torch` blocked.
+own, and a skip one rank's rules decide holds on every rank. The workers run with `import torch`
+blocked.
 """
 from __future__ import annotations
 
@@ -75,6 +76,20 @@ for per_rank in (False, True):
     histories[str(per_rank)] = record.metrics
     np.savez(f"{out}/seen{rank}_{per_rank}.npz", fc1=seen["fc1"], grad=grads[0].asnumpy(), loss=loss.asnumpy(),
              exp_avg=opt.moment1[0].asnumpy())
+# per_rank with a skip rule: only rank 0's batch holds a nan, so only its rules fire; the reduced
+# gradients are nan on both ranks, and the ranks agree to skip: no rank applies the step
+monitor = MindSporeMonitor(net, opt, {"output_dir": f"{out}/agree", "strict": True, "per_rank": True,
+                                      "sinks": ["jsonl"], "alerts": [{"rule": "non_finite", "action": "skip"}],
+                                      "watch": {"module_outputs": True, "param_grads": False, "optimizer_state": []}})
+before = [p.asnumpy().copy() for p in net.trainable_params()]
+x_bad = x.asnumpy().copy()
+x_bad[0, 0] = np.nan if rank == 0 else x_bad[0, 0]
+loss, grads = grad_fn(Tensor(x_bad), y)
+opt(reducer(grads))
+monitor.step_end(loss)
+monitor.close()
+histories["agree"] = {"unchanged": all(np.array_equal(b, p.asnumpy()) for b, p in zip(before, net.trainable_params())),
+                      "own_alerts": sorted({a.rule for r in monitor.monitor.history for a in r.alerts})}
 # rank 1 watches one Cell more: the layouts differ, and every rank says so instead of merging
 watched = {"names": ["0"] if rank == 0 else ["0", "2"]}
 monitor = MindSporeMonitor(net, opt, {"output_dir": f"{out}/mismatch", "strict": True, "modules": watched,
@@ -129,5 +144,8 @@ def test_statistics_merge_over_the_data_parallel_group_and_per_rank_keeps_each_r
         assert_stats(own, "actv/0/output", seen[rank, True]["fc1"])
         assert_stats(own, "grad/0.weight", seen[rank, True]["grad"])
     assert sorted(p.name for p in (tmp_path / "True").iterdir()) == ["rank0", "rank1"]
+    for rank in (0, 1):  # per_rank + skip: the decision of rank 0's rules holds on both ranks
+        assert metrics[rank]["agree"]["unchanged"], metrics[rank]["agree"]
+    assert metrics[0]["agree"]["own_alerts"] == ["non_finite"] and metrics[1]["agree"]["own_alerts"] == []
     for rank in (0, 1):
         assert "measured different tensors" in metrics[rank]["mismatch"], metrics[rank]["mismatch"]

@@ -7,11 +7,15 @@ raises `TrainingStopped` out of `before_optimizer_step()`, before any weight cha
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
 from msprobe_engine.rules import Firing
+
+#: the rule named in a decision another rank made (`StepDecision.joined`)
+OTHER_RANK = "(a rule on another data-parallel rank)"
 
 
 class TrainingStopped(RuntimeError):
@@ -46,6 +50,14 @@ class StepDecision:
 
     def __bool__(self) -> bool:
         return bool(self.firing)
+
+    def joined(self, skip: bool, stop: bool) -> "StepDecision":
+        """This decision after the ranks agreed on `skip`/`stop` (any rank's applies to all): a
+        skip or stop this rank did not decide itself gets a stand-in firing naming OTHER_RANK."""
+        if (stop and not self.stop) or (skip and not self.skip):
+            other = Firing(OTHER_RANK, OTHER_RANK, "", math.nan, None, "stop" if stop else "skip")
+            return replace(self, firing=self.firing + (other,))
+        return self
 
     def __iter__(self) -> Iterator[Firing]:
         return iter(self.firing)

@@ -9,12 +9,13 @@ unequal shapes returns garbage, it does not fail); then one ``AllGather`` of the
 rows gives every rank all of them; rows of the rank-local kinds are merged exactly (min of
 mins, max of maxes, sums and counts add: the statistics of the whole global batch), model-state
 rows are taken from rank 0 (adding identical copies would inflate the sums). With ``per_rank``
-each rank keeps its own rank-local rows and writes its own run directory.
+each rank keeps its own rank-local rows and writes its own run directory; its rules then see
+their own rows, so a skip/stop decision is agreed on by one ``AllReduce`` (`agree`).
 
 Both gathers run once per monitored step, at its one host transfer.
 
 MindSpore 2.10 on CPU: ``msrun`` and ``init()`` work, and so do the ``AllReduce``/``AllGather``
-primitives (PyNative and GRAPH_MODE); ``mindspore.communication.comm_func.all_reduce`` does not
+primitives (PyNative and GRAPH_MODE; ``AllReduce`` with SUM only); ``mindspore.communication.comm_func.all_reduce`` does not
 (no CPU kernel for ``InnerCommAllReduce``), so the primitive is used.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Sequence
 import numpy as np
 from mindspore import Tensor, ops
 
+from msprobe_engine.incident.actions import StepDecision
 from msprobe_engine.stats import P_MAX, P_MIN, P_NAN
 from msprobe_engine.stats.table import MetricKey
 
@@ -54,6 +56,7 @@ class DataParallelMerge:
         self.world = world
         self.per_rank = per_rank
         self._gather = ops.AllGather()
+        self._sum = ops.AllReduce()  # on CPU, AllReduce has only SUM
         self._masks: dict[int, tuple[Tensor, Tensor]] = {}
 
     def __call__(self, keys: Sequence[MetricKey], rows: Tensor) -> Tensor:
@@ -77,3 +80,12 @@ class DataParallelMerge:
         merged[:, P_MAX] = ops.where(nan, float("nan"), stacked[:, :, P_MAX].max(axis=0))
         merged = ops.where(merge_mask, merged, stacked[0])
         return ops.where(keep_own, rows, merged)
+
+    def agree(self, decision: StepDecision) -> StepDecision:
+        """`Monitor.before_optimizer_step`, on every rank, when a rule can skip or stop: with
+        `per_rank` each rank's rules judge its own activations and loss, and replicas that step
+        differently diverge; one AllReduce of (skip, stop) makes any rank's apply to all."""
+        if not self.per_rank or self.world == 1:
+            return decision
+        votes = self._sum(Tensor(np.array([decision.skip, decision.stop], np.float32))).asnumpy()
+        return decision.joined(bool(votes[0] > 0), bool(votes[1] > 0))

@@ -17,9 +17,7 @@ ever gathered.
 """
 from __future__ import annotations
 
-import math
 import zlib
-from dataclasses import replace
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
@@ -83,24 +81,15 @@ class GroupMerge:
         return masks
 
 
-#: the rule named in a decision another rank made (`agree`)
-OTHER_RANK = "(a rule on another data-parallel rank)"
-
-
 def agree(decision: "StepDecision", group: object, device: torch.device) -> "StepDecision":
     """A skip/stop decision taken on rank-local rows (`per_rank`), made the same on every rank of
-    `group`: one all-reduce (MAX) of (skip, stop), so any rank's skip or stop applies to all (a
-    rank that did not decide it itself gets a stand-in firing naming OTHER_RANK). Call it on
-    every rank of the group; a reducer's `agree` (called by `Monitor.before_optimizer_step`)."""
-    from msprobe_engine.rules.base import Firing
-
+    `group`: one all-reduce (MAX) of (skip, stop), so any rank's skip or stop applies to all
+    (`StepDecision.joined`). Call it on every rank of the group; a reducer's `agree` (called by
+    `Monitor.before_optimizer_step`)."""
     flags = torch.tensor([float(decision.skip), float(decision.stop)], device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     skip, stop = (bool(f) for f in flags.tolist())
-    if (stop and not decision.stop) or (skip and not decision.skip):
-        other = Firing(OTHER_RANK, OTHER_RANK, "", math.nan, None, "stop" if stop else "skip")
-        decision = replace(decision, firing=decision.firing + (other,))
-    return decision
+    return decision.joined(skip, stop)
 
 
 def gather_rows(rows: torch.Tensor, group: object = None) -> torch.Tensor:
