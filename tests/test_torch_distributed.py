@@ -121,8 +121,10 @@ def _replay(model, out: str, rank: int, dp: int) -> dict:
     for _ in range(3):
         monitor.run_step(train_step, data[part], target[part])
     monitor.close()
-    incident = json.loads((Path(out) / "incidents" / f"step1-rank{rank}-non_finite" / "incident.json").read_text())
-    return {"replay": incident["replay"], "culprit": incident["culprit"]["first_bad"],
+    folder = Path(out) / "incidents" / f"step1-rank{rank}-non_finite"
+    incident = json.loads((folder / "incident.json").read_text())
+    dumped = json.loads(next(folder.glob("replay/step1/*/dump.json")).read_text())["data"]
+    return {"replay": incident["replay"], "culprit": incident["culprit"]["first_bad"], "dumped": sorted(dumped),
             "metrics": [r.metrics for r in monitor.history]}
 
 
@@ -304,6 +306,10 @@ def test_an_fsdp2_step_replay_reproduces_the_single_process_one(runs, rank):
     assert fsdp2["culprit"] == single["culprit"] == "actv/0/output"
     checks = [(c["tag"], c["value"], c["replay_value"], c["identical"]) for c in fsdp2["replay"]["checks"]]
     assert checks == [(c["tag"], c["value"], c["replay_value"], c["identical"]) for c in single["replay"]["checks"]]
+    # the replay's dump: every module's forward and backward, as on one rank (FSDP2 puts the
+    # reduce-scattered gradients on the shards by assignment, which fires no parameters_grad hook)
+    assert [n.replace("FSDPLinear", "Linear") for n in fsdp2["dumped"]] == [
+        n for n in single["dumped"] if ".parameters_grad." not in n]
     assert [m["train/skipped"] for m in fsdp2["metrics"]] == [0.0, 1.0, 0.0]
     after = fsdp2["metrics"][2]  # the skipped step left no trace: the next step is the single process's
     wrong = {t: v for t, v in after.items() if t.startswith(("grad/", "param/", "train/loss"))

@@ -22,6 +22,7 @@ from functools import partial
 from typing import Any, Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from msprobe_engine.collect.flatten import iter_tensors
 from msprobe_engine.frameworks.torch.capture.api import (ApiCatalog, ApiInfo, risk_allows, writes_unknown,
@@ -245,6 +246,8 @@ class Recorder:
         return UNHANDLED
 
     def _slot(self, tensor: torch.Tensor, name: str) -> TensorSlot:
+        if isinstance(tensor, DTensor):  # FSDP2/TP: each rank's dump holds its own piece (no collective)
+            tensor = tensor.to_local()
         kind = _kind(tensor)
         row = -1
         if kind != "none":
