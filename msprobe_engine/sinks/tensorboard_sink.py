@@ -1,4 +1,4 @@
-"""TensorBoard event files written with the tensorboard package itself (no torch needed).
+"""TensorBoard event files: the tensorboard package's protos, framed by `tb_records` (no torch needed).
 
 Per monitored step: every `Health/*` and `train/*` scalar, the global gradient norm, and
 the per-layer tags of the kinds in `layer_kinds` with the statistics in `layer_stats`
@@ -21,13 +21,13 @@ from tensorboard.compat.proto.tensor_pb2 import TensorProto
 from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
 from tensorboard.plugins.image import metadata as image_metadata
 from tensorboard.plugins.text import metadata as text_metadata
-from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
 from msprobe_engine.config.fields import at_least, choices
 from msprobe_engine.records import StepRecord
 from msprobe_engine.sinks.base import Sink, register_sink
 from msprobe_engine.sinks.heatmap import NormHistory, enlarge, heatmap_rgb, legend, log_bins, png
 from msprobe_engine.sinks.tb_incident import incident_directory, incident_markdown, read_incident
+from msprobe_engine.sinks.tb_records import EventFile
 from msprobe_engine.sinks.tb_layout import DT_STRING, LAYER_KINDS, build_layout, layout_value, parse_tag
 from msprobe_engine.stats import STATISTICS
 
@@ -57,7 +57,7 @@ class TensorBoardSink(Sink):
         histograms: bool = False
         incidents: bool = True
 
-    _writer: EventFileWriter
+    _writer: EventFile
 
     def __init__(self, config: "TensorBoardSink.Config", run_dir: Path) -> None:
         super().__init__(config, run_dir)
@@ -71,7 +71,7 @@ class TensorBoardSink(Sink):
         self._last_step = 0
 
     def open(self) -> None:
-        self._writer = EventFileWriter(str(self.run_dir))
+        self._writer = EventFile(self.run_dir)
 
     def write(self, record: StepRecord) -> None:
         metrics = record.metrics
