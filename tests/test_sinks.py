@@ -102,3 +102,24 @@ def test_a_failing_write_is_reported_and_the_writer_goes_on(caplog):
     writer.close()
     assert done == [1] and writer.failed == 1
     assert any("bad sink failed: ZeroDivisionError" in r.message for r in caplog.records)
+
+
+def test_csv_rows_are_what_csv_writer_writes_quotes_and_floats_included(tmp_path):
+    import io
+
+    from msprobe_engine.records import StepRecord
+    from msprobe_engine.sinks.csv_sink import CSV_NAME, CsvSink
+
+    metrics = {"actv/a,b/output/norm": 1.5, 'grad/q"x/max': float("nan"), "optim/w/inf": float("inf"),
+               "param/n/min": -0.0, "monitor/tensors": 3, "param/t/norm": 1e-300, "train/sp ace": 0.1 + 0.2}
+    sink = CsvSink(CsvSink.Config(name="csv"), tmp_path)
+    sink.open()
+    for step in (7, 8):
+        sink.write(StepRecord(step=step, rank=0, micro_steps=1, metrics=metrics))
+    sink.close()
+    expected = io.StringIO()
+    writer = csv.writer(expected)
+    writer.writerow(["step", "tag", "value"])
+    for step in (7, 8):
+        writer.writerows((step, tag, value) for tag, value in metrics.items())
+    assert (tmp_path / CSV_NAME).read_bytes().decode() == expected.getvalue()
