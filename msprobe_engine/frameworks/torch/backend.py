@@ -57,6 +57,10 @@ FOREACH_NUMEL = 65536
 #: and the chunk sums in float64 (relative error about 1e-7 instead of 1e-4).
 NORM_CHUNK = 4096
 
+#: From this many elements, a finite floating-point tensor's nonzero elements are counted as
+#: the sum of |sign(x)| (three light passes), which beats `count_nonzero` on CPU there.
+SIGN_COUNT_NUMEL = 16384
+
 #: A size class of small tensors is padded into one matrix, and a group of mid-size tensors
 #: reduced by multi-tensor kernels, only when it has this many members; fewer go through the
 #: per-tensor path (cheaper below that).
@@ -121,6 +125,10 @@ def partial_stats(tensors: Sequence[torch.Tensor], count_zeros: bool = False, de
     """
     device = tensors[0].device if tensors else torch.device("cpu")
     pending = Pending(len(tensors), device)
+    if len(tensors) == 1 and tensors[0].layout == torch.strided and not tensors[0].is_complex() \
+            and tensors[0].numel():  # a hook's one tensor: straight to the per-tensor path
+        _reduce(pending, 0, tensors[0].detach().reshape(-1), count_zeros)
+        return pending if deferred else concat([pending])
     small: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
     mid: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
     first_pos: dict[int, int] = {}  # id of a tensor given more than once (x, x, x) -> its first position
@@ -181,28 +189,41 @@ def _reduce(pending: Pending, pos: int, flat: torch.Tensor, count_zeros: bool) -
     if flat.dtype not in _LOW_PRECISION:
         flat = flat.to(torch.float64)
     acc = torch.float32 if flat.dtype in _LOW_PRECISION else torch.float64
+    numel = flat.numel()
     total = flat.sum(dtype=acc)
     zero, not_taken, no_zeros = _constants(flat.device)
     on_cpu = flat.device.type == "cpu"
-    if not on_cpu or not math.isfinite(total):
-        pending.counts += [torch.isnan(flat).sum(), torch.isinf(flat).sum()]
-    else:
+    finite = on_cpu and math.isfinite(total)
+    if finite:
         pending.counts += [zero, zero]
-    if flat.dtype == torch.float32 and flat.numel() > FOREACH_NUMEL:
+    else:
+        pending.counts += [torch.isnan(flat).sum(), torch.isinf(flat).sum()]
+    if flat.dtype == torch.float32 and numel > FOREACH_NUMEL:
         low, high = flat.amin(), flat.amax()  # two passes beat aminmax on long float32
     else:
         low, high = torch.aminmax(flat)
     if not count_zeros:
         pending.counts.append(not_taken)
-    elif on_cpu and (low > 0 or high < 0):  # no zero possible: not counted (CPU: a free read)
+    elif on_cpu and (low.item() > 0 or high.item() < 0):  # no zero possible: not counted (CPU: a free read)
         pending.counts.append(no_zeros)
     else:
-        pending.counts.append(torch.count_nonzero(flat))
+        pending.counts.append(_nonzero(flat, finite))
     pending.positions.append(pos)
     pending.extremes += [low, high]
     pending.sums.append(total)
     pending.chunk_norms.append(_chunk_norms(flat, acc))
-    pending.numels.append(float(flat.numel()))
+    pending.numels.append(float(numel))
+
+
+def _nonzero(flat: torch.Tensor, finite: bool) -> torch.Tensor:
+    """The number of nonzero elements of a tensor (0-dim int64). A long floating-point
+    tensor known to be finite counts them as the sum of |sign(x)| (0 for 0 and -0, 1 for
+    anything else, subnormals included), exact below 2**24 elements in float32 and measured
+    about twice as fast as `count_nonzero` on CPU from SIGN_COUNT_NUMEL elements."""
+    numel = flat.numel()
+    if finite and flat.is_floating_point() and SIGN_COUNT_NUMEL <= numel < 2 ** 24:
+        return flat.sign().abs_().sum(dtype=torch.float32).to(torch.int64)
+    return torch.count_nonzero(flat)
 
 
 def _reduce_group(pending: Pending, positions: list[int], group: list[torch.Tensor], count_zeros: bool) -> None:
@@ -228,7 +249,7 @@ def _reduce_group(pending: Pending, positions: list[int], group: list[torch.Tens
         if not count_zeros:
             pending.counts.append(not_taken)
         else:  # all of one sign: no zero to count
-            pending.counts.append(no_zeros if one_signed else torch.count_nonzero(t))
+            pending.counts.append(no_zeros if one_signed else _nonzero(t, is_finite))
     pending.extremes += [value for pair in zip(lows, highs) for value in pair]
     pending.sums += sums
     pending.chunk_norms += norms
