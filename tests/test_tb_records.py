@@ -4,6 +4,7 @@ from __future__ import annotations
 import io
 import os
 
+import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from tensorboard.compat.proto.event_pb2 import Event
@@ -65,3 +66,22 @@ def test_a_corrupted_record_fails_tensorboards_crc_check(tmp_path, where):
     events.path.write_bytes(bytes(blob))
     with pytest.raises(errors.DataLossError, match="crc32"):
         _records(events.path)
+
+
+def test_scalar_blocks_are_the_bytes_protobuf_writes_and_join_other_values(tmp_path):
+    from tensorboard.compat.proto.summary_pb2 import Summary as S
+
+    from msprobe_engine.sinks.tb_records import ScalarBlock
+
+    tags = ["grad/layers.0.weight/norm", "train/loss", "actv/é/output/max", "x" * 300, "Health/grad_norm"]
+    values = [1.5, float("nan"), float("-inf"), -0.0, 1e300]  # 1e300: beyond float32, stored as inf
+    text = S.Value(tag="Health/incident")
+    text.tensor.string_val.append(b"markdown")
+    block = ScalarBlock(tags).encode(np.array(values))
+    expected = Event(step=3, wall_time=2.5, summary=S(value=[S.Value(tag=t, simple_value=v) for t, v in
+                                                             zip(tags, values)] + [text])).SerializeToString()
+    events = EventFile(tmp_path)
+    events.add_event(Event(step=3, wall_time=2.5), block + S(value=[text]).SerializeToString())
+    events.close()
+    assert _records(events.path)[1] == expected
+    assert ScalarBlock([]).encode(np.zeros(0)) == b""

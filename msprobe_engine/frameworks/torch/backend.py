@@ -330,7 +330,7 @@ def _pack(pending: Pending) -> torch.Tensor:
     counts = torch.stack(pending.counts).view(-1, 3).to(torch.float64)
     numel = torch.tensor(pending.numels, dtype=torch.float64, device=counts.device)
     chunk_norms = torch.cat(pending.chunk_norms).to(torch.float64)  # cat promotes float32 to float64
-    lengths = torch.tensor([len(c) for c in pending.chunk_norms], device=counts.device)
+    lengths = torch.tensor([c.shape[0] for c in pending.chunk_norms], device=counts.device)
     sumsq = torch.segment_reduce(chunk_norms.square(), "sum", lengths=lengths)
     nonzero = counts[:, 2]
     zeros = torch.where(nonzero == NOT_TAKEN, _UNKNOWN, torch.where(nonzero == NO_ZEROS, 0.0, numel - nonzero))
