@@ -310,11 +310,11 @@ def _small_rows(flats: list[torch.Tensor], count_zeros: bool) -> torch.Tensor:
     flats = [f if f.dtype != torch.bool else f.to(torch.uint8) for f in flats]
     if min(numels) == max(numels):
         padded = torch.stack(flats).to(torch.float64)
-        low, high = -(-padded).amax(1), padded.amax(1)  # amax: amin along rows is 5x slower on CPU
+        low, high = padded.amin(1), padded.amax(1)  # measured (torch 2.13, CPU): faster than aminmax(dim=1)
     else:
         padded = pad_sequence(flats, batch_first=True).to(torch.float64)
         inside = torch.arange(padded.shape[1], device=device) < lengths.unsqueeze(1)
-        low = -torch.where(inside, -padded, -math.inf).amax(1)
+        low = torch.where(inside, padded, math.inf).amin(1)
         high = torch.where(inside, padded, -math.inf).amax(1)
     total = padded.sum(1)
     sumsq = (padded * padded).sum(1)
