@@ -155,11 +155,10 @@ def test_tensors_of_one_sign_have_no_zeros_without_counting_them():
 
 
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float64])
-@pytest.mark.parametrize("size", [16384, 40_000, FOREACH_NUMEL, 300_001])  # both sides of SIGN_COUNT_NUMEL
+@pytest.mark.parametrize("size", [16384, 40_000, FOREACH_NUMEL, 300_001])
 def test_zero_counts_are_exact_for_minus_zero_subnormals_and_non_finite_tensors(dtype, size):
-    """Long finite tensors count their nonzeros as the sum of |sign(x)|: -0.0 is a zero, a
-    subnormal is not; with a nan or an inf the count is taken by `count_nonzero` (one tensor
-    at a time, as a hook gives them, and in a multi-tensor group)."""
+    """-0.0 is a zero, a subnormal is not, a nan or an inf is not; one tensor at a time (as a
+    hook gives them) and in a multi-tensor group, on every path by length."""
     gen = torch.Generator().manual_seed(size)
     x = torch.randn(size, generator=gen).to(dtype)
     x[::5] = 0.0

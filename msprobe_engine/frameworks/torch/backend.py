@@ -58,13 +58,6 @@ FOREACH_NUMEL = 65536
 #: and the chunk sums in float64 (relative error about 1e-7 instead of 1e-4).
 NORM_CHUNK = 4096
 
-#: From this many elements, a finite float32 or float16 tensor's nonzero elements are counted
-#: as the sum of |sign(x)| (three light passes), which beats `count_nonzero` on CPU there
-#: (measured, 1 thread: float32 1.0x at 32k elements, 1.4x at 64k, 1.9x at 512k; float16
-#: 1.2-1.5x; bfloat16 and float64 are slower that way and keep `count_nonzero`).
-SIGN_COUNT_NUMEL = 32768
-_SIGN_COUNTED = (torch.float32, torch.float16)
-
 #: A size class of small tensors is padded into one matrix, and a group of mid-size tensors
 #: reduced by multi-tensor kernels, only when it has this many members; fewer go through the
 #: per-tensor path (cheaper below that).
@@ -211,22 +204,12 @@ def _reduce(pending: Pending, pos: int, flat: torch.Tensor, count_zeros: bool) -
     elif on_cpu and (low.item() > 0 or high.item() < 0):  # no zero possible: not counted (CPU: a free read)
         pending.counts.append(no_zeros)
     else:
-        pending.counts.append(_nonzero(flat, finite))
+        pending.counts.append(torch.count_nonzero(flat))
     pending.positions.append(pos)
     pending.extremes += [low, high]
     pending.sums.append(total)
     pending.chunk_norms.append(_chunk_norms(flat, acc))
     pending.numels.append(float(numel))
-
-
-def _nonzero(flat: torch.Tensor, finite: bool) -> torch.Tensor:
-    """The number of nonzero elements of a tensor (0-dim int64). A long float32/float16
-    tensor known to be finite counts them as the sum of |sign(x)| (0 for 0 and -0, 1 for
-    anything else, subnormals included), exact below 2**24 elements (float32 accumulation)."""
-    numel = flat.numel()
-    if finite and flat.dtype in _SIGN_COUNTED and SIGN_COUNT_NUMEL <= numel < 2 ** 24:
-        return flat.sign().abs_().sum(dtype=torch.float32).to(torch.int64)
-    return torch.count_nonzero(flat)
 
 
 def _reduce_group(pending: Pending, positions: list[int], group: list[torch.Tensor], count_zeros: bool) -> None:
@@ -256,7 +239,7 @@ def _reduce_group(pending: Pending, positions: list[int], group: list[torch.Tens
         if not count_zeros:
             pending.counts.append(not_taken)
         else:  # all of one sign: no zero to count
-            pending.counts.append(no_zeros if one_signed else _nonzero(t, is_finite))
+            pending.counts.append(no_zeros if one_signed else torch.count_nonzero(t))
     pending.extremes += [value for pair in zip(lows, highs) for value in pair]
     pending.sums += sums
     pending.chunk_norms += norms
