@@ -8,9 +8,9 @@ Three paths, by length:
 - mid-size tensors (up to FOREACH_NUMEL) are grouped by dtype and device and, in groups of
   MIN_BATCH or more, reduced by multi-tensor kernels: one `_foreach_norm` (float32
   accumulation, the whole tensor: relative error below 1e-6 at this length) for the whole
-  group, one sum per tensor, min and max (on CPU one `aminmax` per tensor, measured 1.4-3x
-  cheaper than `_foreach_max` and a min each for every dtype; elsewhere `_foreach_max` and
-  a min each), and one stacked finiteness check instead of one per tensor;
+  group, one sum per tensor, min and max (on CPU one `aminmax` per tensor, measured alone
+  1.4-3x cheaper than `_foreach_max` and a min each for every dtype; elsewhere `_foreach_max`
+  and a min each), and one stacked finiteness check instead of one per tensor;
 - large tensors are reduced one by one with torch's vectorised reductions, whose per-call
   overhead is small next to their size: min and max (two passes for float32, where that is
   faster than `aminmax`), sum, and the vector of their chunk norms.
