@@ -102,3 +102,42 @@ def test_a_failing_write_is_reported_and_the_writer_goes_on(caplog):
     writer.close()
     assert done == [1] and writer.failed == 1
     assert any("bad sink failed: ZeroDivisionError" in r.message for r in caplog.records)
+
+
+def test_csv_rows_are_what_csv_writer_writes_quotes_and_floats_included(tmp_path):
+    import io
+
+    from msprobe_engine.records import StepRecord
+    from msprobe_engine.sinks.csv_sink import CSV_NAME, CsvSink
+
+    metrics = {"actv/a,b/output/norm": 1.5, 'grad/q"x/max': float("nan"), "optim/w/inf": float("inf"),
+               "param/n/min": -0.0, "monitor/tensors": 3, "param/t/norm": 1e-300, "train/sp ace": 0.1 + 0.2}
+    sink = CsvSink(CsvSink.Config(name="csv"), tmp_path)
+    sink.open()
+    other = {**metrics, "train/flag": True, "train/np": np.float32(0.5)}  # other types: through csv.writer
+    records = [(7, metrics), (8, metrics), (9, {}), (10, other), (11, dict(reversed(metrics.items())))]
+    for step, values in records:
+        sink.write(StepRecord(step=step, rank=0, micro_steps=1, metrics=values))
+    sink.close()
+    expected = io.StringIO()
+    writer = csv.writer(expected)
+    writer.writerow(["step", "tag", "value"])
+    for step, values in records:
+        writer.writerows((step, tag, value) for tag, value in values.items())
+    assert (tmp_path / CSV_NAME).read_bytes().decode() == expected.getvalue()
+
+
+def test_jsonl_lines_are_the_records_as_json():
+    from msprobe_engine.records import AlertEvent, StepRecord
+    from msprobe_engine.sinks.jsonl_sink import RecordLine
+
+    metrics = {'actv/a"b\\c/output/norm': 1.5, "grad/é/max": float("nan"), "optim/w/inf": float("inf"),
+               "param/n/min": float("-inf"), "param/z/min": -0.0, "monitor/tensors": 3, "param/t/norm": 1e-300,
+               "train/x": 0.1 + 0.2, "train/big": 1e22}
+    alert = AlertEvent("spike", "train/x", "start", 4, 9.5, threshold=2.0, also=("a", "b"))
+    line = RecordLine()
+    records = [StepRecord(4, 0, 2, metrics, [alert], 12.5), StepRecord(5, 1, 1, metrics, [], 13.0),
+               StepRecord(6, 0, 1, {}, [], 0.0), StepRecord(7, 0, 1, {**metrics, "train/flag": True}),
+               StepRecord(8, 0, 1, dict(reversed(metrics.items())))]
+    for record in records:
+        assert line(record) == record.as_json()

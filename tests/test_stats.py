@@ -152,3 +152,23 @@ def test_tensors_of_one_sign_have_no_zeros_without_counting_them():
     rows = partial_stats(tensors, count_zeros=True).numpy()
     assert_matches(rows, tensors)
     assert (finalize(rows)["zero_frac"][:8] == 0).all() and finalize(rows)["zero_frac"][8] == 0.5
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float64])
+@pytest.mark.parametrize("size", [16384, 40_000, FOREACH_NUMEL, 300_001])
+def test_zero_counts_are_exact_for_minus_zero_subnormals_and_non_finite_tensors(dtype, size):
+    """-0.0 is a zero, a subnormal is not, a nan or an inf is not; one tensor at a time (as a
+    hook gives them) and in a multi-tensor group, on every path by length."""
+    gen = torch.Generator().manual_seed(size)
+    x = torch.randn(size, generator=gen).to(dtype)
+    x[::5] = 0.0
+    x[1::7] = -0.0
+    x[2::11] = torch.finfo(dtype).tiny / 4  # subnormal
+    x[3::13] = -torch.finfo(dtype).tiny / 8
+    bad = x.clone()
+    bad[4] = float("nan")
+    bad[6] = float("-inf")
+    tensors = [x, bad, x.clone().abs(), -x.abs()]  # two of one sign (+-0 included)
+    for rows in ([partial_stats([t], count_zeros=True).numpy()[0] for t in tensors],
+                 partial_stats(tensors, count_zeros=True).numpy()):
+        assert_matches(np.asarray(rows), tensors)

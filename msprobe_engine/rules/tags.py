@@ -24,6 +24,8 @@ class TagMatcher:
         globbing = any(ch in p for p in patterns for ch in "*?[")
         self._exact: list[str] | None = None if globbing else list(patterns)
         self._matches: dict[str, bool] = {}
+        self._scanned: list[str] = []  # the tags of the last metrics scanned, in order
+        self._hits: list[str] = []  # those of them that match
 
     def __call__(self, tag: str) -> bool:
         hit = self._matches.get(tag)
@@ -35,7 +37,10 @@ class TagMatcher:
         """(tag, value) of the watched metrics, in the order of `metrics` (execution order)."""
         if self._exact is not None:  # plain tag names: direct look-ups, no scan
             return ((tag, metrics[tag]) for tag in self._exact if tag in metrics)
-        return ((tag, value) for tag, value in metrics.items() if self(tag))
+        tags = list(metrics)
+        if tags != self._scanned:  # a new layout of tags (a step repeats the last one's: no scan)
+            self._scanned, self._hits = tags, [tag for tag in tags if self(tag)]
+        return ((tag, metrics[tag]) for tag in self._hits)
 
 
 def _parts(tag: str) -> tuple[str, str, str]:

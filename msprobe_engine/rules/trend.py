@@ -46,6 +46,9 @@ class TrendRule(Rule):
 
     def evaluate(self, table, stats, metrics) -> list[Firing]:
         hits = []
+        slope = self.config.method == "slope"
+        full: list[tuple[str, float]] = []  # slope: the tags whose window is full, with their value
+        windows: list[deque[float]] = []
         for tag, value in self.watched.candidates(metrics):
             if not (math.isfinite(value) and value > 0):
                 continue
@@ -53,27 +56,34 @@ class TrendRule(Rule):
             if history is None:
                 history = self._history[tag] = deque(maxlen=self.config.window)
             level = math.log(value)
-            threshold = self._slope(history, level) if self.config.method == "slope" else \
-                self._zscore(tag, history, level)
+            if slope:
+                history.append(level)
+                if len(history) == self.config.window:
+                    full.append((tag, value))
+                    windows.append(history)
+                continue
+            threshold = self._zscore(tag, history, level)
             if threshold is not None:
                 hits.append((tag, value, threshold))
+        if windows:
+            hits = [(tag, value, threshold) for (tag, value), threshold in zip(full, self._slopes(windows))
+                    if threshold is not None]
         return one_episode(self, hits)
 
-    def _slope(self, history: deque[float], level: float) -> float | None:
-        """Fires when the window (with this value) grows `factor` x; returns the norm the
-        window started from times `factor`."""
-        history.append(level)
-        if len(history) < self.config.window:
-            return None
-        y = np.fromiter(history, dtype=np.float64)
-        y = y - y.mean()
-        slope = float(self._x @ y / (self._x @ self._x))
-        spread = float(y @ y)
-        r2 = 1.0 if spread == 0 else (slope * slope * float(self._x @ self._x)) / spread
-        grown = slope * (self.config.window - 1)
-        if grown >= math.log(self.config.factor) and r2 >= self.config.min_r2:
-            return math.exp(history[0] + math.log(self.config.factor))
-        return None
+    def _slopes(self, windows: list[deque[float]]) -> list[float | None]:
+        """For each full window of log norms (all tags at once): the norm the window started
+        from times `factor` where the window grows `factor` x with a steady fit, else None."""
+        y = np.array(windows, dtype=np.float64)
+        start = y[:, 0].copy()
+        y -= y.mean(axis=1, keepdims=True)
+        xx = float(self._x @ self._x)
+        slope = y @ self._x / xx
+        spread = np.einsum("ij,ij->i", y, y)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            r2 = np.where(spread == 0, 1.0, slope * slope * xx / spread)
+        grows = (slope * (self.config.window - 1) >= math.log(self.config.factor)) & (r2 >= self.config.min_r2)
+        log_factor = math.log(self.config.factor)
+        return [math.exp(s + log_factor) if g else None for s, g in zip(start.tolist(), grows.tolist())]
 
     def _zscore(self, tag: str, history: deque[float], level: float) -> float | None:
         """Fires after `steps` values in a row `z` deviations above the history; the values

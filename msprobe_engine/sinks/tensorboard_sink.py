@@ -1,4 +1,4 @@
-"""TensorBoard event files written with the tensorboard package itself (no torch needed).
+"""TensorBoard event files: the tensorboard package's protos, framed by `tb_records` (no torch needed).
 
 Per monitored step: every `Health/*` and `train/*` scalar, the global gradient norm, and
 the per-layer tags of the kinds in `layer_kinds` with the statistics in `layer_stats`
@@ -21,7 +21,6 @@ from tensorboard.compat.proto.tensor_pb2 import TensorProto
 from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
 from tensorboard.plugins.image import metadata as image_metadata
 from tensorboard.plugins.text import metadata as text_metadata
-from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
 from msprobe_engine.config.fields import at_least, choices
 from msprobe_engine.records import StepRecord
@@ -29,6 +28,7 @@ from msprobe_engine.sinks.base import Sink, register_sink
 from msprobe_engine.sinks.heatmap import NormHistory, enlarge, heatmap_rgb, legend, log_bins, png
 from msprobe_engine.sinks.tb_incident import incident_directory, incident_markdown, read_incident
 from msprobe_engine.sinks.tb_layout import DT_STRING, LAYER_KINDS, build_layout, layout_value, parse_tag
+from msprobe_engine.sinks.tb_records import EventFile, ScalarBlock
 from msprobe_engine.stats import STATISTICS
 
 #: heatmaps and histograms: the kind of the norms they show -> the role of those rows
@@ -57,7 +57,7 @@ class TensorBoardSink(Sink):
         histograms: bool = False
         incidents: bool = True
 
-    _writer: EventFileWriter
+    _writer: EventFile
 
     def __init__(self, config: "TensorBoardSink.Config", run_dir: Path) -> None:
         super().__init__(config, run_dir)
@@ -69,13 +69,22 @@ class TensorBoardSink(Sink):
         self._monitored = 0
         self._pictures_at = 0  # self._monitored when the last heatmaps were written
         self._last_step = 0
+        self._scalars_of: list[str] | None = None  # the tags of the last record (its layout)
+        self._kept_at = np.zeros(0, dtype=np.int64)  # their positions kept as scalars
+        self._block = ScalarBlock([])
 
     def open(self) -> None:
-        self._writer = EventFileWriter(str(self.run_dir))
+        self._writer = EventFile(self.run_dir)
 
     def write(self, record: StepRecord) -> None:
         metrics = record.metrics
-        values = [Summary.Value(tag=tag, simple_value=value) for tag, value in metrics.items() if self._keeps(tag)]
+        values: list[Summary.Value] = []
+        tags = list(metrics)
+        if tags != self._scalars_of:  # a new layout of tags: which are kept, and their template
+            self._scalars_of = tags
+            self._kept_at = np.array([i for i, tag in enumerate(tags) if self._keeps(tag)], dtype=np.int64)
+            self._block = ScalarBlock([tags[i] for i in self._kept_at])
+        scalars = self._block.encode(np.fromiter(metrics.values(), dtype=np.float64, count=len(tags))[self._kept_at])
         if not metrics.keys() <= self._seen:  # new tags: where they go
             self._seen.update(metrics)
             self._pictured.update((tag, row) for tag in metrics if tag not in self._pictured
@@ -95,7 +104,7 @@ class TensorBoardSink(Sink):
             self._pictures_at = self._monitored
         if self.config.histograms:
             values += self._histograms(norms)
-        self._add(record.step, record.wall_time, values)
+        self._add(record.step, record.wall_time, values, scalars)
         if self.config.incidents and self.incidents_dir is not None:
             self._waiting += [(record.step, record.rank, rule, 0) for rule in dict.fromkeys(e.rule for e in starts)]
             self._write_incidents(record.wall_time)
@@ -170,10 +179,12 @@ class TensorBoardSink(Sink):
                 waiting.append((step, rank, rule, waited + 1))
         self._waiting = waiting
 
-    def _add(self, step: int, wall_time: float | None, values: list[Summary.Value]) -> None:
-        if values:
-            self._writer.add_event(Event(step=step, wall_time=time.time() if wall_time is None else wall_time,
-                                         summary=Summary(value=values)))
+    def _add(self, step: int, wall_time: float | None, values: list[Summary.Value], scalars: bytes = b"") -> None:
+        """One event of `scalars` (a `ScalarBlock`'s bytes) and `values`."""
+        if values or scalars:
+            summary = scalars + Summary(value=values).SerializeToString()
+            self._writer.add_event(Event(step=step, wall_time=time.time() if wall_time is None else wall_time),
+                                   summary)
 
 
 def _picture_row(tag: str) -> tuple[str, str] | None:

@@ -8,7 +8,8 @@ on the training thread at the next `flush()`/`close()`.
 
 Failures are counted per sink (a job kind `"<name> sink <what>"` counts under `<name>`):
 `health()` gives them as metrics for the step records, and `close()` logs a summary.
-Threads a sink's library starts (tensorboard's event writer) print no raw traceback
+Threads a sink's library starts (such as tensorboard's own event writer, should a sink use
+it; the TensorBoard sink writes its file on this thread, `tb_records`) print no raw traceback
 when they die on a full disk: `contain_thread_errors` logs one line instead (the error
 itself reaches the sink's next call, where it is counted).
 """

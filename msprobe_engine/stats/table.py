@@ -6,7 +6,8 @@ from typing import Iterable, NamedTuple
 
 import numpy as np
 
-from msprobe_engine.stats import N_COLUMNS, P_INF, P_NAN, P_SUMSQ, finalize, merge
+from msprobe_engine.stats import N_COLUMNS, P_INF, P_NAN, P_SUMSQ, finalize
+from msprobe_engine.stats.columns import MAX_COLUMNS, MIN_COLUMNS
 
 
 class MetricKey(NamedTuple):
@@ -34,15 +35,17 @@ class StatTable:
     def from_rows(cls, keys: Iterable[MetricKey], rows: np.ndarray) -> "StatTable":
         """Merge rows that share a key (micro-steps, repeated reads) into one."""
         keys = list(keys)
-        index: dict[MetricKey, int] = {}
-        groups = np.empty(len(keys), dtype=np.int64)
-        for i, key in enumerate(keys):
-            groups[i] = index.setdefault(key, len(index))
-        if len(index) == len(keys):
+        if len(dict.fromkeys(keys)) == len(keys):  # the usual case: no key twice (one C-level pass)
             return cls(keys, np.asarray(rows, dtype=np.float64).reshape(-1, N_COLUMNS))
-        merged = np.empty((len(index), N_COLUMNS))
-        for g in range(len(index)):
-            merged[g] = merge(rows[groups == g])
+        index: dict[MetricKey, int] = {}
+        groups = np.fromiter((index.setdefault(key, len(index)) for key in keys), dtype=np.int64, count=len(keys))
+        rows = np.asarray(rows, dtype=np.float64).reshape(-1, N_COLUMNS)
+        merged = np.full((len(index), N_COLUMNS), -0.0)  # -0.0 + x == x: the sums come out as merge's
+        np.add.at(merged, groups, rows)  # row by row, in the order they came
+        for columns, start, at in ((MIN_COLUMNS, np.inf, np.minimum.at), (MAX_COLUMNS, -np.inf, np.maximum.at)):
+            for c in columns:
+                merged[:, c] = start
+                at(merged[:, c], groups, rows[:, c])
         return cls(list(index), merged)
 
     def finalized(self) -> dict[str, np.ndarray]:
@@ -52,7 +55,7 @@ class StatTable:
 
     def select(self, kind: str) -> np.ndarray:
         """Boolean mask of the rows of one kind."""
-        return np.array([k.kind == kind for k in self.keys], dtype=bool)
+        return np.fromiter((k.kind == kind for k in self.keys), dtype=bool, count=len(self.keys))
 
     def global_norm(self, kind: str) -> float:
         """sqrt of the summed squares of every row of `kind` (e.g. the global grad norm)."""
