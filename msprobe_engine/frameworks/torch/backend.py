@@ -284,15 +284,11 @@ def _empty_rows(count: int, device: torch.device) -> torch.Tensor:
 
 def _chunk_norms(flat: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     """Norms of fixed-size chunks (in `acc` within a chunk; combined in `_pack`, in float64).
-    A tensor shorter than a chunk is its own chunk norms: a float64 copy of its values; one
-    of mid size (up to FOREACH_NUMEL, not a whole number of chunks) is one chunk, as in the
-    multi-tensor path (one kernel instead of three)."""
+    A tensor shorter than a chunk is its own chunk norms: a float64 copy of its values."""
     numel = flat.numel()
     head = numel // NORM_CHUNK * NORM_CHUNK
     if head == 0:
         return flat.to(torch.float64, copy=True)
-    if head != numel and numel <= FOREACH_NUMEL:
-        return torch.linalg.vector_norm(flat, dtype=acc).view(1)
     if head == numel:
         return torch.linalg.vector_norm(flat.view(-1, NORM_CHUNK), dim=1, dtype=acc)
     chunks = torch.linalg.vector_norm(flat[:head].view(-1, NORM_CHUNK), dim=1, dtype=acc)
