@@ -232,3 +232,22 @@ def test_gpu_the_kernel_never_synchronises_the_host():
         torch.cuda.set_sync_debug_mode(0)
     assert fused_reduce.ENABLED, fused_reduce.disabled_reason
     np.testing.assert_allclose(rows.cpu().numpy(), torch_rows([t.cpu() for t in mixed]), rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_the_torch_path_never_synchronises_the_host_either(monkeypatch):
+    """With the kernel off (and for float64, which it never takes), the torch path's lengths,
+    empty rows and reordering index reach the device from pinned memory without blocking."""
+    monkeypatch.setattr(fused_reduce, "ENABLED", False)
+    gen = torch.Generator().manual_seed(2)
+    mixed = [torch.randn(n, generator=gen).to("cuda", dtype) for n in (0, 3, 1000, 5000, 70_000)
+             for dtype in (torch.float32, torch.float64, torch.bfloat16)]
+    backend.concat([backend.partial_stats(mixed, count_zeros=True, deferred=True)])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        rows = backend.concat([backend.partial_stats(mixed, count_zeros=True, deferred=True)])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    np.testing.assert_allclose(rows.cpu().numpy(), torch_rows([t.cpu() for t in mixed]), rtol=1e-5)

@@ -278,8 +278,17 @@ def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 
 def _empty_rows(count: int, device: torch.device) -> torch.Tensor:
-    inf = float("inf")
-    return torch.tensor([[inf, -inf, 0, 0, 0, 0, 0, 0]] * count, dtype=torch.float64, device=device)
+    rows = torch.zeros((count, 8), dtype=torch.float64, device=device)  # filled on the device: no copy
+    rows[:, 0], rows[:, 1] = math.inf, -math.inf
+    return rows
+
+
+def _host_values(values: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host-side numbers (lengths, an order) as a tensor on `device`; to an accelerator through
+    pinned memory without blocking: a pageable host-to-device copy waits until the device's
+    queue drains, which would put a host sync in every monitored step."""
+    host = torch.as_tensor(values, dtype=dtype)
+    return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
 
 
 def _chunk_norms(flat: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
@@ -300,7 +309,7 @@ def _small_rows(flats: list[torch.Tensor], count_zeros: bool) -> torch.Tensor:
     without padding, when their lengths are equal)."""
     device = flats[0].device
     numels = [f.numel() for f in flats]
-    lengths = torch.tensor(numels, dtype=torch.float64, device=device)
+    lengths = _host_values(numels, torch.float64, device)
     flats = [f if f.dtype != torch.bool else f.to(torch.uint8) for f in flats]
     if min(numels) == max(numels):
         padded = torch.stack(flats).to(torch.float64)
@@ -327,9 +336,9 @@ def _pack(pending: Pending) -> torch.Tensor:
     tensor's sum of squares is the float64 sum of its squared chunk norms."""
     low_high = _stack_f64(pending.extremes).view(-1, 2)
     counts = torch.stack(pending.counts).view(-1, 3).to(torch.float64)
-    numel = torch.tensor(pending.numels, dtype=torch.float64, device=counts.device)
+    numel = _host_values(pending.numels, torch.float64, counts.device)
     chunk_norms = torch.cat(pending.chunk_norms).to(torch.float64)  # cat promotes float32 to float64
-    lengths = torch.tensor([c.shape[0] for c in pending.chunk_norms], device=counts.device)
+    lengths = _host_values([c.shape[0] for c in pending.chunk_norms], torch.int64, counts.device)
     sumsq = torch.segment_reduce(chunk_norms.square(), "sum", lengths=lengths)
     nonzero = counts[:, 2]
     zeros = torch.where(nonzero == NOT_TAKEN, _UNKNOWN, torch.where(nonzero == NO_ZEROS, 0.0, numel - nonzero))
@@ -410,7 +419,7 @@ def concat(rows: Sequence[Rows]) -> torch.Tensor:
         return packed
     inverse = torch.empty(len(order), dtype=torch.long)
     inverse[torch.tensor(order)] = torch.arange(len(order))
-    return packed.index_select(0, inverse.to(device))
+    return packed.index_select(0, _host_values(inverse, torch.long, device))
 
 
 def pick(sources: Sequence[tuple[Rows, int]]) -> Pending:
