@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from msprobe_engine.collect.step_rows import StepRows
 from msprobe_engine.config import ConfigSource, MonitorConfig, load_config
 from msprobe_engine.incident.actions import StepDecision, TrainingStopped
 from msprobe_engine.incident.graph import HIDDEN_KINDS, CallGraph
@@ -80,7 +81,6 @@ class Monitor(StepLifecycle):
         self.step = start_step
         self.micro_steps = 0
         self.active = self.config.schedule.is_monitored(start_step)
-        self.transfers = 0
         self.history: deque[StepRecord] = deque(maxlen=self.config.ring_buffer)
         self.alert_log: deque[AlertEvent] = deque(maxlen=ALERT_LOG_SIZE)
         self.records_written = 0
@@ -100,8 +100,8 @@ class Monitor(StepLifecycle):
                                    self.config.watch) if control.enabled else None
         self._count_zeros = "zero_count" in optional_columns(self.config.stats)
         self.decide_early = any(rule.action != "continue" for rule in self._rules)
-        self._pending: list[tuple[int, list[MetricKey], Any]] = []
-        self._rows: dict[MetricKey, tuple[Any, int]] = {}  # key -> its last pending row given `same`
+        #: the measured rows waiting for the step's one host transfer (`collect/step_rows.py`)
+        self.rows = StepRows()
         self._early: dict[int, tuple[StatTable, list[AlertEvent]]] = {}
         self._early_micro_steps: dict[int, int] = {}  # an early-decided step's micro-steps, for its record
         self._optimizer_done = False
@@ -142,10 +142,6 @@ class Monitor(StepLifecycle):
         #: waiting (only when every rule's action is `continue` and no step runs through
         #: `run_step`); None: when they live on an accelerator
         self.read_late: bool | None = None
-        #: blocking device-to-host reads so far (at most one per monitored step)
-        self.host_syncs = 0
-        self._in_flight: tuple | None = None  # the copy left running: (keys, steps, meter rows, copy)
-        self._meter = [0.0, 0]  # seconds in add_tensors and tensors measured since the last transfer
         self._host_since = time.perf_counter()
         saved = self.run.saved_state()
         if saved is not None:
@@ -204,7 +200,7 @@ class Monitor(StepLifecycle):
         if not (self.active and tensors):
             return
         if self.control is not None and self.control.current.muted:
-            keys, tensors, same = self.control.unmuted(keys, tensors, same, self._rows)
+            keys, tensors, same = self.control.unmuted(keys, tensors, same, self.rows.last)
             if not tensors:
                 return
         if self.backend is None:
@@ -220,27 +216,17 @@ class Monitor(StepLifecycle):
         if len(measured) < len(tensors):
             own = dict(zip([key for key, prior in zip(keys, same) if prior is None],
                            zip(itertools.repeat(rows), itertools.count())))
-            rows = self.backend.pick([own[key] if prior is None else own.get(prior) or self._rows[prior]
+            rows = self.backend.pick([own[key] if prior is None else own.get(prior) or self.rows.last[prior]
                                       for key, prior in zip(keys, same)])
-        self._pending.append((self.step, list(keys), rows))
-        if same:
-            self._rows.update(zip(keys, zip(itertools.repeat(rows), itertools.count())))
         if self.incidents is not None:
             self.tensor_meta.update(zip(keys, map(_tensor_meta, tensors)))
-        self._meter[0] += time.perf_counter() - started
-        self._meter[1] += len(measured)
+        self.rows.add(self.step, keys, rows, remember=bool(same), seconds=time.perf_counter() - started,
+                      measured=len(measured))
 
     def discard(self, kind: str) -> None:
         """Drop this step's not yet transferred statistics of `kind`, e.g. the gradients of a
         step the framework skipped (fp16 overflow): they were thrown away, not applied."""
-        kept = []
-        for step, keys, rows in self._pending:
-            keep = [i for i, key in enumerate(keys) if step != self.step or key.kind != kind]
-            if len(keep) == len(keys):
-                kept.append((step, keys, rows))
-            elif keep:
-                kept.append((step, [keys[i] for i in keep], self.backend.concat([rows])[keep]))
-        self._pending = kept
+        self.rows.discard(self.step, kind, self.backend)
 
     def report_loss(self, loss: Any) -> None:
         """Tell the monitor this step's loss (a tensor or a number), before or after the step."""
@@ -385,9 +371,9 @@ class Monitor(StepLifecycle):
     def drain(self) -> None:
         """Emit the records still held back (early-decision mode keeps a step's record until
         the next transfer); call it after `step_end`, e.g. when the run is about to stop."""
-        if self._early or (self.decide_early and self._pending) or self._in_flight is not None:
+        if self._early or (self.decide_early and self.rows.pending) or self.rows.reading_late:
             with self.guard("drain"):
-                self._emit_late(self._transfer() if self._pending or self._in_flight is not None else {})
+                self._emit_late(self._transfer() if self.rows.waiting else {})
 
     def flush(self) -> None:
         """Wait until everything submitted so far is written."""
@@ -426,7 +412,7 @@ class Monitor(StepLifecycle):
         """While a step is replayed: hooks measure into a buffer of their own, the lifecycle
         calls do nothing and the optimizer step is skipped. On a normal exit the dict holds the
         replay's values (every statistic of every row, by tag, and the step's metrics)."""
-        saved, self._pending, self._replaying = self._pending, [], True
+        saved, self.rows.pending, self._replaying = self.rows.pending, [], True
         values: dict[str, float] = {}
         try:
             yield values
@@ -436,7 +422,7 @@ class Monitor(StepLifecycle):
             values.update(every_statistic(table))
             values.update(self._metrics(table))
         finally:
-            self._pending, self._replaying = saved, False
+            self.rows.pending, self._replaying = saved, False
 
     def metrics_of(self, table: StatTable) -> dict[str, float]:
         """Tag -> value of a table of statistics, as the sinks get them."""
@@ -482,66 +468,30 @@ class Monitor(StepLifecycle):
     # ---- internals --------------------------------------------------------------
     def _transfer(self, reduce: bool = True, at_step_end: bool = False, merge: bool | None = None
                   ) -> dict[int, StatTable]:
-        """The one device-to-host copy: every pending row, grouped by step (`reduce`: through
-        `self.reducer`; a replay's transfer is not, unless `merge`: every rank replays together).
-
-        At a step's end (`at_step_end`) in one-step-late mode (`read_late`; only when no rule
-        needs a decision before the optimizer step and the step is not run through `run_step`)
-        the copy is started without waiting and the result has no table of this step: it comes
-        with the next transfer, read from the host copy by then complete. Each transfer adds
-        the self-metering rows of the current step: `monitor/overhead_ms` (time in
-        `add_tensors` since the previous transfer, and in this one), `monitor/host_syncs`
-        (blocking reads: 1 for a synchronous transfer, 0 one step late unless the host had to
-        wait for the copy) and `monitor/tensors` (tensors measured, repeats not counted)."""
+        """The one device-to-host copy (`StepRows.transfer`): every pending row, grouped by step
+        (`reduce`: through `self.reducer`; a replay's transfer is not, unless `merge`: every rank
+        replays together). At a step's end (`at_step_end`) in one-step-late mode (`read_late`;
+        only when no rule needs a decision before the optimizer step and the step is not run
+        through `run_step`) the copy is started without waiting and the result has no table of
+        this step: it comes with the next transfer. Each transfer adds the self-metering rows of
+        the current step: `monitor/overhead_ms`, `monitor/host_syncs`, `monitor/tensors`."""
         self._host_since = time.perf_counter()  # Health/monitor_ms: from here to the record
-        started = self._host_since
-        pending, self._pending = self._pending, []
-        self._rows.clear()
-        tables: dict[int, StatTable] = {}
-        waits = 0
-        if reduce and self._in_flight is not None:
-            keys, steps, meter, copy = self._in_flight
-            self._in_flight = None
-            host, waited = copy.result()
-            waits += waited
-            self.host_syncs += waited
-            tables = _tables_by_step(keys, steps, np.concatenate([host, meter]))
-        if not pending:
-            tables.setdefault(self.step, StatTable([], empty_rows()))
-            return tables
-        keys = [k for _, ks, _ in pending for k in ks]
-        rows = self.backend.concat([r for _, _, r in pending])
-        if (reduce if merge is None else merge) and self.reducer is not None:
-            rows = self.reducer(keys, rows)
-        steps = np.repeat([s for s, ks, _ in pending], [len(ks) for _, ks, _ in pending])
-        late = at_step_end and reduce and self._reads_late(rows)
-        if late:
-            copy = self.backend.start_copy(rows)
-        else:
-            host = self.backend.to_host(rows)
-            self.host_syncs += 1
-        self.transfers += 1
-        if reduce and steps[-1] == self.step:  # the metering rows (none in a replay's table, nor at
-            # a drain after the last step's end, which would make a record of them alone)
-            overhead_ms = (self._meter[0] + time.perf_counter() - started) * 1e3
-            meter = np.array([_scalar_row(overhead_ms), _scalar_row(waits + (not late)),
-                              _scalar_row(self._meter[1])])
-            self._meter = [0.0, 0]
-            keys += _METER_KEYS
-            steps = np.concatenate([steps, [self.step] * len(_METER_KEYS)])
-        else:
-            meter = empty_rows()
-        if late:
-            self._in_flight = (keys, steps, meter, copy)
+        tables = self.rows.transfer(self.step, self.backend, self.reducer, reduce=reduce,
+                                    merge=reduce if merge is None else merge,
+                                    late=self._reads_late if at_step_end and reduce else None)
+        if at_step_end and reduce and self.rows.reading_late:  # this step's copy left running
             self._early_micro_steps[self.step] = self.micro_steps
-            return tables
-        for step, table in _tables_by_step(keys, steps, np.concatenate([host, meter])).items():
-            if step in tables:
-                table = StatTable.from_rows(tables[step].keys + table.keys,
-                                            np.concatenate([tables[step].partials, table.partials]))
-            tables[step] = table
-        tables.setdefault(self.step, StatTable([], empty_rows()))
         return tables
+
+    @property
+    def transfers(self) -> int:
+        """Device-to-host copies so far (one per monitored step)."""
+        return self.rows.transfers
+
+    @property
+    def host_syncs(self) -> int:
+        """Blocking device-to-host reads so far (at most one per monitored step)."""
+        return self.rows.host_syncs
 
     def _reads_late(self, rows: Any) -> bool:
         """Whether this step's statistics may be read one step late (see `_transfer`)."""
@@ -633,26 +583,6 @@ class Monitor(StepLifecycle):
         for listener in self.step_end_listeners:
             listener(record)
         return record
-
-
-#: the self-metering rows of every transfer (see `Monitor._transfer`)
-_METER_KEYS = [MetricKey("monitor", "overhead_ms"), MetricKey("monitor", "host_syncs"),
-               MetricKey("monitor", "tensors")]
-
-
-def _scalar_row(value: float) -> list[float]:
-    """The partial-statistics row of one number (min, max, sum, sum of squares, nan, inf, zeros, numel)."""
-    return [value, value, value, value * value, 0.0, 0.0, float(value == 0), 1.0]
-
-
-def _tables_by_step(keys: list[MetricKey], steps: np.ndarray, host: np.ndarray) -> dict[int, StatTable]:
-    """Transferred rows as one table per step (one slice per step once grouped by step)."""
-    if len(steps) > 1 and (np.diff(steps) < 0).any():
-        order = np.argsort(steps, kind="stable")
-        keys, steps, host = [keys[i] for i in order], steps[order], host[order]
-    bounds = np.flatnonzero(np.diff(steps)) + 1
-    starts, ends = [0, *bounds.tolist()], [*bounds.tolist(), len(steps)]
-    return {int(steps[a]): StatTable.from_rows(keys[a:b], host[a:b]) for a, b in zip(starts, ends)}
 
 
 def _tensor_meta(tensor: Any) -> tuple:

@@ -1,0 +1,137 @@
+"""The rows measured on the device, waiting for the one device-to-host copy of their step.
+
+`Monitor.add_tensors` hands each call's rows here (still on the device, often not even packed);
+`transfer` packs every waiting row, merges them over the process groups (the monitor's
+reducer), copies them to the host once and returns them as a `StatTable` per step. In
+one-step-late mode the copy is only started (`backend.start_copy`) and read by the next
+transfer. Each transfer of the current step adds the self-metering rows (`METER_KEYS`).
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from msprobe_engine.stats import empty_rows
+from msprobe_engine.stats.table import MetricKey, StatTable
+
+#: the monitor's own cost, one row each in the step's table (docs/overhead.md)
+METER_KEYS = [MetricKey("monitor", "overhead_ms"), MetricKey("monitor", "host_syncs"),
+              MetricKey("monitor", "tensors")]
+
+Pending = tuple[int, list[MetricKey], Any]  # (step, keys, rows on the device)
+
+
+class StepRows:
+    """Waiting rows, the copy left running, and the counts of transfers and blocking reads."""
+
+    def __init__(self) -> None:
+        self.pending: list[Pending] = []
+        #: key -> (rows, index) of its last pending row given with `same` (`Monitor.add_tensors`)
+        self.last: dict[MetricKey, tuple[Any, int]] = {}
+        self.transfers = 0
+        #: blocking device-to-host reads so far (at most one per monitored step)
+        self.host_syncs = 0
+        self._in_flight: tuple | None = None  # the copy left running: (keys, steps, meter rows, copy)
+        self._meter = [0.0, 0]  # seconds in add_tensors and tensors measured since the last transfer
+
+    @property
+    def waiting(self) -> bool:
+        """Rows not yet transferred, or a copy not yet read."""
+        return bool(self.pending) or self._in_flight is not None
+
+    @property
+    def reading_late(self) -> bool:
+        """The last transfer only started its copy (read by the next transfer)."""
+        return self._in_flight is not None
+
+    def add(self, step: int, keys: Sequence[MetricKey], rows: Any, *, remember: bool, seconds: float,
+            measured: int) -> None:
+        """Rows of `keys` measured in `step`; `remember`: later calls may repeat them (`last`)."""
+        self.pending.append((step, list(keys), rows))
+        if remember:
+            self.last.update(zip(keys, zip(itertools.repeat(rows), itertools.count())))
+        self._meter[0] += seconds
+        self._meter[1] += measured
+
+    def discard(self, step: int, kind: str, backend: Any) -> None:
+        """Drop the waiting rows of `kind` measured in `step`."""
+        kept = []
+        for at, keys, rows in self.pending:
+            keep = [i for i, key in enumerate(keys) if at != step or key.kind != kind]
+            if len(keep) == len(keys):
+                kept.append((at, keys, rows))
+            elif keep:
+                kept.append((at, [keys[i] for i in keep], backend.concat([rows])[keep]))
+        self.pending = kept
+
+    def transfer(self, step: int, backend: Any, reducer: Callable | None, *, reduce: bool, merge: bool,
+                 late: Callable[[Any], bool] | None) -> dict[int, StatTable]:
+        """The one device-to-host copy: every waiting row, grouped by step (a table for `step`
+        always). `reduce`: a real step's transfer (it reads a copy left running and meters the
+        step; a replay's does not); `merge`: through `reducer`; `late(rows)`: whether this
+        copy may be read one step late (then it is only started, and `step` has no rows yet)."""
+        started = time.perf_counter()
+        pending, self.pending = self.pending, []
+        self.last.clear()
+        tables: dict[int, StatTable] = {}
+        waits = 0
+        if reduce and self._in_flight is not None:
+            keys, steps, meter, copy = self._in_flight
+            self._in_flight = None
+            host, waited = copy.result()
+            waits += waited
+            self.host_syncs += waited
+            tables = _tables_by_step(keys, steps, np.concatenate([host, meter]))
+        if not pending:
+            tables.setdefault(step, StatTable([], empty_rows()))
+            return tables
+        keys = [k for _, ks, _ in pending for k in ks]
+        rows = backend.concat([r for _, _, r in pending])
+        if merge and reducer is not None:
+            rows = reducer(keys, rows)
+        steps = np.repeat([s for s, ks, _ in pending], [len(ks) for _, ks, _ in pending])
+        read_late = late is not None and late(rows)
+        if read_late:
+            copy = backend.start_copy(rows)
+        else:
+            host = backend.to_host(rows)
+            self.host_syncs += 1
+        self.transfers += 1
+        if reduce and steps[-1] == step:  # the metering rows (none in a replay's table, nor at a
+            # drain after the last step's end, which would make a record of them alone)
+            overhead_ms = (self._meter[0] + time.perf_counter() - started) * 1e3
+            meter = np.array([_scalar_row(overhead_ms), _scalar_row(waits + (not read_late)),
+                              _scalar_row(self._meter[1])])
+            self._meter = [0.0, 0]
+            keys += METER_KEYS
+            steps = np.concatenate([steps, [step] * len(METER_KEYS)])
+        else:
+            meter = empty_rows()
+        if read_late:
+            self._in_flight = (keys, steps, meter, copy)
+            return tables
+        for at, table in _tables_by_step(keys, steps, np.concatenate([host, meter])).items():
+            if at in tables:
+                table = StatTable.from_rows(tables[at].keys + table.keys,
+                                            np.concatenate([tables[at].partials, table.partials]))
+            tables[at] = table
+        tables.setdefault(step, StatTable([], empty_rows()))
+        return tables
+
+
+def _scalar_row(value: float) -> list[float]:
+    """The partial-statistics row of one number (min, max, sum, sum of squares, nan, inf, zeros, numel)."""
+    return [value, value, value, value * value, 0.0, 0.0, float(value == 0), 1.0]
+
+
+def _tables_by_step(keys: list[MetricKey], steps: np.ndarray, host: np.ndarray) -> dict[int, StatTable]:
+    """Transferred rows as one table per step (one slice per step once grouped by step)."""
+    if len(steps) > 1 and (np.diff(steps) < 0).any():
+        order = np.argsort(steps, kind="stable")
+        keys, steps, host = [keys[i] for i in order], steps[order], host[order]
+    bounds = np.flatnonzero(np.diff(steps)) + 1
+    starts, ends = [0, *bounds.tolist()], [*bounds.tolist(), len(steps)]
+    return {int(steps[a]): StatTable.from_rows(keys[a:b], host[a:b]) for a, b in zip(starts, ends)}
