@@ -11,6 +11,7 @@ writes ``rank0``.
 from __future__ import annotations
 
 import csv
+import difflib
 import hashlib
 import os
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+
+from msprobe_engine.config.errors import ConfigError
 
 STAT_HEADER = ("max", "min", "norm", "shape")
 SUMMARY_PREFIX = "grad_summary_"
@@ -33,6 +36,16 @@ class GradRows:
     counts: np.ndarray | None = None         # [n, len(bounds) + 2]: intervals..., zeros (numel-normalised later)
     values: list[np.ndarray] | None = None   # L0: float32 values for the MD5
     directions: list[np.ndarray] | None = None
+
+
+def check_param_list(wanted: Sequence[str], names: Sequence[str], owner: str) -> None:
+    """A ConfigError naming the first ``param_list`` entry that is not one of `names`, the
+    parameters `owner` has (e.g. "the model has no trainable"), with the closest name as a hint."""
+    for i, name in enumerate(wanted):
+        if name not in names:
+            near = difflib.get_close_matches(name, list(names), n=1)
+            hint = f" (did you mean '{near[0]}'?)" if near else ""
+            raise ConfigError(f"grad_probe.param_list[{i}]: {owner} parameter {name!r}{hint}")
 
 
 def interval_names(bounds: Sequence[float]) -> list[str]:

@@ -13,7 +13,6 @@ Optimizer steps are counted from 0; ``step`` and ``rank`` select as for a dump.
 """
 from __future__ import annotations
 
-import difflib
 import logging
 from functools import partial
 from typing import Any
@@ -24,7 +23,7 @@ from mindspore import nn, ops
 
 from msprobe_engine.config.errors import ConfigError
 from msprobe_engine.dump.config import DumpConfig
-from msprobe_engine.dump.grad_probe_files import GradRows, interval_counts, write_grad_step
+from msprobe_engine.dump.grad_probe_files import GradRows, check_param_list, interval_counts, write_grad_step
 from msprobe_engine.dump.writer import StepData
 from msprobe_engine.frameworks.mindspore import backend as mindspore_backend
 from msprobe_engine.frameworks.mindspore.cell_hooks import jit_safe
@@ -54,11 +53,7 @@ class MindSporeGradProbe:
         params = list(optimizer.parameters)
         names = [p.name for p in params]
         wanted = self.options.param_list
-        for i, name in enumerate(wanted):
-            if name not in names:
-                near = difflib.get_close_matches(name, names, n=1)
-                hint = f" (did you mean '{near[0]}'?)" if near else ""
-                raise ConfigError(f"grad_probe.param_list[{i}]: the optimizer has no parameter {name!r}{hint}")
+        check_param_list(wanted, names, "the optimizer has no")
         watched = [(i, name) for i, name in enumerate(names) if not wanted or name in wanted]
         self._handles.append(optimizer.register_forward_pre_hook(jit_safe(partial(self._before_step, watched))))
 

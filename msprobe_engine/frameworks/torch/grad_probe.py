@@ -11,7 +11,6 @@ Optimizer steps are counted from 0; ``step`` and ``rank`` select as for a dump.
 """
 from __future__ import annotations
 
-import difflib
 import logging
 from functools import partial
 from typing import Any
@@ -20,9 +19,8 @@ import numpy as np
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from msprobe_engine.config.errors import ConfigError
 from msprobe_engine.dump.config import DumpConfig
-from msprobe_engine.dump.grad_probe_files import GradRows, write_grad_step
+from msprobe_engine.dump.grad_probe_files import GradRows, check_param_list, write_grad_step
 from msprobe_engine.dump.writer import StepData
 from msprobe_engine.frameworks.torch import backend as torch_backend
 from msprobe_engine.stats import P_MAX, P_MIN, P_SUMSQ
@@ -48,11 +46,7 @@ class GradProbe:
         """Probe `model`'s trainable parameters (those of ``param_list`` when given)."""
         named = {n: p for n, p in model.named_parameters() if p.requires_grad}
         wanted = self.options.param_list
-        for i, name in enumerate(wanted):
-            if name not in named:
-                near = difflib.get_close_matches(name, list(named), n=1)
-                hint = f" (did you mean '{near[0]}'?)" if near else ""
-                raise ConfigError(f"grad_probe.param_list[{i}]: the model has no trainable parameter {name!r}{hint}")
+        check_param_list(wanted, list(named), "the model has no trainable")
         self._params.update((n, p) for n, p in named.items() if not wanted or n in wanted)
 
     def remove(self) -> None:
