@@ -27,7 +27,6 @@ as for PyTorch (`Judge`; the predecessor's MindSpore side has no preheat).
 from __future__ import annotations
 
 import contextlib
-import logging
 from functools import partial
 from typing import Any, Callable, Iterator
 
@@ -37,12 +36,10 @@ from mindspore import Tensor, ops
 
 from msprobe_engine.dump.config import DumpConfig
 from msprobe_engine.dump.free_benchmark_files import (NOISE as NOISE_BY_NAME, Compared, Judge, ResultRow,
-                                                      tolerance, write_results)
+                                                      report_skipped, tolerance, write_results)
 from msprobe_engine.dump.select import Selection
 from msprobe_engine.dump.writer import StepData
 from msprobe_engine.frameworks.mindspore.capture.apis import Gate
-
-log = logging.getLogger("msprobe_engine")
 
 #: the CSV's header on MindSpore (the predecessor's MindSpore side calls pert_mode "pert_type")
 HEADER = ("rank", "pert_type", "stage", "step", "api_name", "max_rel", "dtype", "shape", "output_index")
@@ -210,12 +207,7 @@ class MindSporeFreeBenchmark:
         except Exception as exc:
             if self.config.strict:
                 raise
-            api = name.rsplit(".", 2)[0]
-            count = self.hook_errors.get(api, 0)
-            self.hook_errors[api] = count + 1
-            if not count:
-                log.error("msprobe free_benchmark: %s skipped: %s: %s (reported once per API)",
-                          name, type(exc).__name__, exc)
+            report_skipped(self.hook_errors, name, exc)
         finally:
             self.gate.open = routed
 

@@ -27,7 +27,6 @@ ratios sampled (ours: a simpler preheat than the predecessor's).
 from __future__ import annotations
 
 import contextlib
-import logging
 from functools import partial
 from typing import Any, Callable, Iterator
 
@@ -36,13 +35,12 @@ import torch
 
 from msprobe_engine.dump.config import DumpConfig
 from msprobe_engine.dump.free_benchmark_files import NOISE as NOISE_BY_NAME
-from msprobe_engine.dump.free_benchmark_files import Compared, Judge, ResultRow, tolerance, write_results
+from msprobe_engine.dump.free_benchmark_files import (Compared, Judge, ResultRow, report_skipped, tolerance,
+                                                      write_results)
 from msprobe_engine.dump.select import Selection
 from msprobe_engine.dump.writer import StepData
 from msprobe_engine.frameworks.torch.capture.api import ApiCatalog
 from msprobe_engine.frameworks.torch.capture.backward import in_backward
-
-log = logging.getLogger("msprobe_engine")
 
 HIGHER = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float64}
 BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
@@ -231,12 +229,7 @@ class FreeBenchmark:
         except Exception as exc:
             if self.config.strict:
                 raise
-            api = name.rsplit(".", 2)[0]
-            count = self.hook_errors.get(api, 0)
-            self.hook_errors[api] = count + 1
-            if not count:
-                log.error("msprobe free_benchmark: %s skipped: %s: %s (reported once per API)",
-                          name, type(exc).__name__, exc)
+            report_skipped(self.hook_errors, name, exc)
             return None
         finally:
             self._busy = False
