@@ -137,7 +137,7 @@ class Monitor(StepLifecycle):
         self.replay_host: ReplayHost | None = None
         self._step_call: StepCall | None = None
         self._replaying = False
-        # one-step-late reads and self-metering (see `_transfer` and `add_tensors`)
+        # one-step-late reads (see `_transfer` and `collect/step_rows.py`)
         #: read a step's statistics one step late, from a host copy started at its end without
         #: waiting (only when every rule's action is `continue` and no step runs through
         #: `run_step`); None: when they live on an accelerator
