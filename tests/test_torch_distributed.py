@@ -82,6 +82,29 @@ def _train(model, out: str, rank: int, dp: int, misreport: bool = False, perturb
             "warnings": sorted(monitor._warned), "reducer": type(monitor.reducer).__name__}
 
 
+def _rank_batch(rank: int, dp: int):
+    """This data-parallel rank's part of the float64 batch the incident tests share."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    data, target = (torch.randn(BATCH, 4, generator=gen, dtype=torch.float64),
+                    torch.randn(BATCH, 2, generator=gen, dtype=torch.float64))
+    part = slice(rank * BATCH // dp, (rank + 1) * BATCH // dp)
+    return data[part], target[part]
+
+
+def _nan_at_step1_on_rank0(model, rank: int, step_of) -> None:
+    """On rank 0, one element of the first layer's output turns nan while `step_of()` is 1 (the
+    step and its replay; a hook registered before the monitor's: they see the nan)."""
+    def corrupt(module, args, output):
+        if step_of() == 1 and rank == 0:
+            output = output.clone()
+            output.view(-1)[0] = float("nan")
+            return output
+
+    getattr(model, "module", model)[0].register_forward_hook(corrupt)
+
+
 def _replay(model, out: str, rank: int, dp: int) -> dict:
     """Three steps through `monitor.run_step`; at step 1 one element of the first layer's output
     (row 0 of the batch: rank 0's) turns nan, a `skip` rule fires and the step is replayed.
@@ -92,20 +115,9 @@ def _replay(model, out: str, rank: int, dp: int) -> dict:
     import torch
     from msprobe_integrations.torch import TorchMonitor
 
-    gen = torch.Generator().manual_seed(1)
-    data, target = (torch.randn(BATCH, 4, generator=gen, dtype=torch.float64),
-                    torch.randn(BATCH, 2, generator=gen, dtype=torch.float64))
-    part = slice(rank * BATCH // dp, (rank + 1) * BATCH // dp)
+    data, target = _rank_batch(rank, dp)
     monitor = None
-
-    def corrupt(module, args, output):
-        if monitor.step == 1 and rank == 0:
-            output = output.clone()
-            output.view(-1)[0] = float("nan")
-            return output
-
-    inner = getattr(model, "module", model)
-    inner[0].register_forward_hook(corrupt)  # before the monitor's hooks: they see the nan
+    _nan_at_step1_on_rank0(model, rank, lambda: monitor.step)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     config = {"output_dir": out, "strict": True, "sinks": [], "watch": {"params": True},
               "alerts": [{"rule": "non_finite", "action": "skip"}]}
@@ -119,7 +131,7 @@ def _replay(model, out: str, rank: int, dp: int) -> dict:
         return loss.detach()
 
     for _ in range(3):
-        monitor.run_step(train_step, data[part], target[part])
+        monitor.run_step(train_step, data, target)
     monitor.close()
     folder = Path(out) / "incidents" / f"step1-rank{rank}-non_finite"
     incident = json.loads((folder / "incident.json").read_text())
@@ -135,26 +147,16 @@ def _per_rank_skip(model, out: str, rank: int, world: int) -> dict:
     import torch
     from msprobe_integrations.torch import TorchMonitor
 
-    gen = torch.Generator().manual_seed(1)
-    data, target = (torch.randn(BATCH, 4, generator=gen, dtype=torch.float64),
-                    torch.randn(BATCH, 2, generator=gen, dtype=torch.float64))
-    part = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    data, target = _rank_batch(rank, world)
     monitor = None
-
-    def corrupt(module, args, output):
-        if monitor.step == 1 and rank == 0:
-            output = output.clone()
-            output.view(-1)[0] = float("nan")
-            return output
-
-    model.module[0].register_forward_hook(corrupt)
+    _nan_at_step1_on_rank0(model, rank, lambda: monitor.step)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     config = {"output_dir": out, "strict": True, "sinks": [], "per_rank": True,
               "alerts": [{"rule": "non_finite", "targets": ["actv"], "action": "skip"},
                          {"rule": "replica_drift", "every": 1, "bucket_numel": 1}]}
     monitor = TorchMonitor(model, opt, config)
     for _ in range(3):
-        loss = (model(data[part]) - target[part]).pow(2).mean()
+        loss = (model(data) - target).pow(2).mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
