@@ -21,14 +21,14 @@ from msprobe_engine.stats.table import MetricKey, StatTable
 METER_KEYS = [MetricKey("monitor", "overhead_ms"), MetricKey("monitor", "host_syncs"),
               MetricKey("monitor", "tensors")]
 
-Pending = tuple[int, list[MetricKey], Any]  # (step, keys, rows on the device)
+Waiting = tuple[int, list[MetricKey], Any]  # (step, keys, rows on the device)
 
 
 class StepRows:
     """Waiting rows, the copy left running, and the counts of transfers and blocking reads."""
 
     def __init__(self) -> None:
-        self.pending: list[Pending] = []
+        self.pending: list[Waiting] = []
         #: key -> (rows, index) of its last pending row given with `same` (`Monitor.add_tensors`)
         self.last: dict[MetricKey, tuple[Any, int]] = {}
         self.transfers = 0

@@ -22,7 +22,11 @@ from functools import partial
 from typing import Any, Callable
 
 import torch
-from torch.distributed.tensor import DTensor
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without distributed: no DTensor to meet
+    DTensor = ()
 
 from msprobe_engine.collect.flatten import iter_tensors
 from msprobe_engine.frameworks.torch.capture.api import (ApiCatalog, ApiInfo, risk_allows, writes_unknown,
