@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from msprobe_engine.frameworks.torch import backend, fused_reduce
+from msprobe_engine.frameworks.torch import backend, cpu_reduce, fused_reduce
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = ROOT / "tests" / "fused_reduce_cases.py"
@@ -114,6 +114,7 @@ def tensors():
 def torch_rows(ts, count_zeros=True):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(fused_reduce, "DEVICES", ())
+        mp.setattr(cpu_reduce, "ENABLED", False)
         return backend.partial_stats(ts, count_zeros=count_zeros).numpy()
 
 

@@ -271,3 +271,37 @@ def test_bad_arguments_are_named():
         TorchMonitor("model")
     with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer, got dict"):
         TorchMonitor(nn.Linear(2, 2), {"lr": 1})
+
+
+def test_update_statistics_are_those_of_the_parameter_change_step_after_step(tmp_path):
+    """`update` is after - before exactly (the CPU path keeps a negated copy between steps and adds
+    the new parameters to it): every step's min and max the reference's bit for bit, the norm
+    within 1e-6; a parameter that did not move has an update of +0.0, not -0.0."""
+    model, opt = gpt_and_adam()
+    monitor = TorchMonitor(model, opt, config(tmp_path, sinks=[], stats=["min", "max", "norm"]))
+    want = []
+    for step in range(3):
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        train(model, opt, 1, monitor, seed=step)
+        want.append({n: finalize(reference_partial((p.detach() - before[n]).numpy()))
+                     for n, p in model.named_parameters()})
+    monitor.close()
+    for step, (record, ref) in enumerate(zip(monitor.history, want)):
+        for name, stats in ref.items():
+            for stat in ("min", "max"):
+                got = np.float64(record.metrics[f"optim/{name}/update/{stat}"])
+                assert got.tobytes() == np.float64(stats[stat]).tobytes(), (step, name, stat)
+            np.testing.assert_allclose(record.metrics[f"optim/{name}/update/norm"], stats["norm"], rtol=1e-6)
+
+    still = nn.Linear(4, 4)
+    opt = torch.optim.SGD(still.parameters(), lr=0.1)  # no momentum: a zero gradient moves nothing
+    monitor = TorchMonitor(still, opt, config(tmp_path / "still", sinks=[], stats=["min", "max"]))
+    for _ in range(2):
+        opt.zero_grad()
+        (still(torch.ones(2, 4)) * 0).sum().backward()
+        opt.step()
+        monitor.step_end()
+    monitor.close()
+    for record in monitor.history:
+        for stat in ("min", "max"):
+            assert np.float64(record.metrics[f"optim/weight/update/{stat}"]).tobytes() == np.float64(0.0).tobytes()

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from msprobe_engine.frameworks.torch import backend, tensor_files
+from msprobe_engine.frameworks.torch import backend, cpu_reduce, tensor_files
 from msprobe_engine.frameworks.torch.module_hooks import ModuleHooks
 from msprobe_engine.frameworks.torch.optimizer_hooks import OptimizerHooks
 from msprobe_engine.frameworks.torch.replay import TorchReplayHost
@@ -22,7 +22,10 @@ class TorchFramework:
     backend = backend
 
     def attach(self, monitor: "Monitor", model: Any, optimizer: Any) -> list[Any]:
-        """Module hooks on `model`, pre/post-step hooks on `optimizer`."""
+        """Module hooks on `model`, pre/post-step hooks on `optimizer`; the CPU kernel built (or loaded)
+        now for a model with CPU parameters, not in the first monitored step."""
+        if any(p.is_cpu for p in model.parameters()):
+            cpu_reduce.prepare()
         return [ModuleHooks(monitor, model), OptimizerHooks(monitor, model, optimizer)]
 
     def replay_host(self) -> TorchReplayHost:

@@ -47,7 +47,7 @@ from typing import Any, Sequence, Union
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from msprobe_engine.frameworks.torch import fused_reduce
+from msprobe_engine.frameworks.torch import cpu_reduce, fused_reduce
 
 #: Tensors up to this many elements are batched by size class into padded matrices
 #: (measured on CPU: above ~2k elements three vectorised reductions per tensor are cheaper).
@@ -124,7 +124,18 @@ def partial_stats(tensors: Sequence[torch.Tensor], count_zeros: bool = False, de
     """
     device = tensors[0].device if tensors else torch.device("cpu")
     pending = Pending(len(tensors), device)
-    if len(tensors) == 1 and tensors[0].layout == torch.strided and not tensors[0].is_complex() \
+    # -- a single-pass kernel where there is one: C on CPU (cpu_reduce.py; MSPROBE_CPU_KERNEL=0 turns it
+    # off), Triton on CUDA (fused_reduce.py; MSPROBE_FUSED_REDUCE=0): the rows of the tensors it measured,
+    # as one block; the torch paths below measure the rest
+    if device.type == "cpu" and device.type not in fused_reduce.DEVICES:
+        fused = cpu_reduce.measure(tensors, count_zeros)
+    else:
+        fused = fused_reduce.measure(tensors, count_zeros) if device.type in fused_reduce.DEVICES else None
+    if fused is not None:
+        pending.blocks.append(fused)
+        if len(fused[0]) == len(tensors):
+            return pending if deferred else concat([pending])
+    elif len(tensors) == 1 and tensors[0].layout == torch.strided and not tensors[0].is_complex() \
             and tensors[0].numel():  # a hook's one tensor: straight to the per-tensor path
         _reduce(pending, 0, tensors[0].detach().reshape(-1), count_zeros)
         return pending if deferred else concat([pending])
@@ -132,13 +143,7 @@ def partial_stats(tensors: Sequence[torch.Tensor], count_zeros: bool = False, de
     mid: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
     first_pos: dict[int, int] = {}  # id of a tensor given more than once (x, x, x) -> its first position
     repeats: list[tuple[int, int]] = []
-    # -- fused Triton kernel on CUDA (fused_reduce.py; MSPROBE_FUSED_REDUCE=0 turns it off): the rows of
-    # the float32/16/bf16 tensors it measured, as one block; the torch paths below measure the rest
-    fused = fused_reduce.measure(tensors, count_zeros) if device.type in fused_reduce.DEVICES else None
-    if fused is not None:
-        pending.blocks.append(fused)
     taken = set(fused[0]) if fused is not None else ()
-    # -- end of the fused kernel's hook
     with torch.no_grad():
         for pos, tensor in enumerate(tensors):
             if pos in taken:

@@ -1,0 +1,208 @@
+/* One pass over each of many CPU tensors: the partial-statistics row of each.
+ *
+ * Built and loaded by cpu_reduce.py (ctypes); what it computes is described there.
+ * Row columns: min, max, sum, sumsq, nan count, inf count, zero count, numel.
+ *
+ * The hot loop keeps LANES independent running min, max, sum and sum of squares (and, when
+ * asked, zero counts), which the compiler turns into vector instructions. float32/16/bf16
+ * values are summed in float32 for STEPS values per lane, then added into float64 lanes; their
+ * squares are taken and summed in float64 (exact squares: no overflow or underflow); float64
+ * values in float64 throughout. nan and inf are not counted in the hot loop: any nan or inf
+ * makes the sum or the sum of squares non-finite, and only then a second loop counts them
+ * (a finite sum proves there is none).
+ *
+ * On x86-64 each loop is compiled for x86-64-v4 (AVX-512), v3 (AVX2, FMA, F16C) and the
+ * baseline, and the loader picks the best the CPU has (GCC's target_clones).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define CLONES
+#endif
+
+enum { DT_F32 = 0, DT_F64 = 1, DT_F16 = 2, DT_BF16 = 3 };
+
+#define LANES 32
+#define STEPS 16
+#define BLOCK (LANES * STEPS)
+/* int32 zero counters are added into int64 totals at least this often */
+#define COUNT_SPAN (1 << 24)
+
+typedef struct {
+    double lo, hi, sum, sumsq;
+    int64_t zeros;
+} part_t;
+
+static inline float load_bf16(const uint16_t *p, int64_t i) {
+    uint32_t bits = (uint32_t)p[i] << 16;
+    float v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+#ifdef __FLT16_MAX__
+static inline float load_f16(const _Float16 *p, int64_t i) { return (float)p[i]; }
+typedef _Float16 f16_t;
+#else
+static inline float load_f16(const uint16_t *p, int64_t i) {
+    uint32_t h = p[i], sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else {  /* zero or subnormal: exact as float */
+        float v = ldexpf((float)man, -24);
+        return sign ? -v : v;
+    }
+    float v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+typedef uint16_t f16_t;
+#endif
+
+static inline float load_f32(const float *p, int64_t i) { return p[i]; }
+
+/* The hot loop for a dtype read as float: min/max/sum/sumsq and optionally the zero count. */
+#define DEFINE_FLOAT_REDUCE(NAME, T, LOAD, ZEROS)                                              \
+    CLONES static void NAME(const T *x, int64_t n, part_t *out) {                             \
+        float lo[LANES], hi[LANES];                                                           \
+        double s[LANES], q[LANES];                                                            \
+        int32_t z[LANES];                                                                     \
+        int64_t zeros = 0;                                                                    \
+        for (int j = 0; j < LANES; j++) {                                                     \
+            lo[j] = INFINITY; hi[j] = -INFINITY; s[j] = 0; q[j] = 0; z[j] = 0;                \
+        }                                                                                     \
+        int64_t i = 0, body = n / BLOCK * BLOCK, since = 0;                                   \
+        for (; i < body; i += BLOCK) {                                                        \
+            float s32[LANES];                                                                 \
+            for (int j = 0; j < LANES; j++) s32[j] = 0;                                       \
+            for (int k = 0; k < BLOCK; k += LANES) {                                          \
+                for (int j = 0; j < LANES; j++) {                                             \
+                    float v = LOAD(x, i + k + j);                                             \
+                    lo[j] = v < lo[j] ? v : lo[j];                                            \
+                    hi[j] = v > hi[j] ? v : hi[j];                                            \
+                    s32[j] += v;                                                              \
+                    q[j] += (double)v * v;                                                          \
+                    if (ZEROS) z[j] += v == 0.0f;                                             \
+                }                                                                             \
+            }                                                                                 \
+            for (int j = 0; j < LANES; j++) s[j] += s32[j];                                   \
+            if (ZEROS && (since += BLOCK) >= COUNT_SPAN) {                                    \
+                for (int j = 0; j < LANES; j++) { zeros += z[j]; z[j] = 0; }                  \
+                since = 0;                                                                    \
+            }                                                                                 \
+        }                                                                                     \
+        for (int j = 0; i < n; i++, j++) { /* the tail: fewer than BLOCK values */             \
+            float v = LOAD(x, i);                                                             \
+            lo[j] = v < lo[j] ? v : lo[j];                                                    \
+            hi[j] = v > hi[j] ? v : hi[j];                                                    \
+            s[j] += v;                                                                        \
+            q[j] += (double)v * v;                                                            \
+            if (ZEROS) z[j] += v == 0.0f;                                                     \
+            if (j == LANES - 1) j = -1;                                                       \
+        }                                                                                     \
+        double L = INFINITY, H = -INFINITY, S = 0, Q = 0;                                     \
+        for (int j = 0; j < LANES; j++) {                                                     \
+            L = lo[j] < L ? lo[j] : L; H = hi[j] > H ? hi[j] : H;                             \
+            S += s[j]; Q += q[j]; zeros += z[j];                                              \
+        }                                                                                     \
+        out->lo = L; out->hi = H; out->sum = S; out->sumsq = Q; out->zeros = zeros;           \
+    }
+
+DEFINE_FLOAT_REDUCE(reduce_f32, float, load_f32, 0)
+DEFINE_FLOAT_REDUCE(reduce_f32_zeros, float, load_f32, 1)
+DEFINE_FLOAT_REDUCE(reduce_f16, f16_t, load_f16, 0)
+DEFINE_FLOAT_REDUCE(reduce_f16_zeros, f16_t, load_f16, 1)
+DEFINE_FLOAT_REDUCE(reduce_bf16, uint16_t, load_bf16, 0)
+DEFINE_FLOAT_REDUCE(reduce_bf16_zeros, uint16_t, load_bf16, 1)
+
+/* float64: the same loop in float64 throughout. */
+#define DEFINE_DOUBLE_REDUCE(NAME, ZEROS)                                                     \
+    CLONES static void NAME(const double *x, int64_t n, part_t *out) {                        \
+        double lo[LANES], hi[LANES], s[LANES], q[LANES];                                      \
+        int64_t z[LANES];                                                                     \
+        for (int j = 0; j < LANES; j++) {                                                     \
+            lo[j] = INFINITY; hi[j] = -INFINITY; s[j] = 0; q[j] = 0; z[j] = 0;                \
+        }                                                                                     \
+        int64_t i = 0, body = n / LANES * LANES;                                              \
+        for (; i < body; i += LANES) {                                                        \
+            for (int j = 0; j < LANES; j++) {                                                 \
+                double v = x[i + j];                                                          \
+                lo[j] = v < lo[j] ? v : lo[j];                                                \
+                hi[j] = v > hi[j] ? v : hi[j];                                                \
+                s[j] += v;                                                                    \
+                q[j] += v * v;                                                                \
+                if (ZEROS) z[j] += v == 0.0;                                                  \
+            }                                                                                 \
+        }                                                                                     \
+        for (int j = 0; i < n; i++, j++) {                                                    \
+            double v = x[i];                                                                  \
+            lo[j] = v < lo[j] ? v : lo[j];                                                    \
+            hi[j] = v > hi[j] ? v : hi[j];                                                    \
+            s[j] += v; q[j] += v * v;                                                         \
+            if (ZEROS) z[j] += v == 0.0;                                                      \
+        }                                                                                     \
+        double L = INFINITY, H = -INFINITY, S = 0, Q = 0;                                     \
+        int64_t zeros = 0;                                                                    \
+        for (int j = 0; j < LANES; j++) {                                                     \
+            L = lo[j] < L ? lo[j] : L; H = hi[j] > H ? hi[j] : H;                             \
+            S += s[j]; Q += q[j]; zeros += z[j];                                              \
+        }                                                                                     \
+        out->lo = L; out->hi = H; out->sum = S; out->sumsq = Q; out->zeros = zeros;           \
+    }
+
+DEFINE_DOUBLE_REDUCE(reduce_f64, 0)
+DEFINE_DOUBLE_REDUCE(reduce_f64_zeros, 1)
+
+/* The rare second loop: nan and inf counts of a tensor whose sum or sum of squares is not finite. */
+static void count_non_finite(const void *data, int dtype, int64_t n, int64_t *nans, int64_t *infs) {
+    int64_t a = 0, b = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double v;
+        switch (dtype) {
+        case DT_F32: v = ((const float *)data)[i]; break;
+        case DT_F64: v = ((const double *)data)[i]; break;
+        case DT_F16: v = load_f16((const f16_t *)data, i); break;
+        default: v = load_bf16((const uint16_t *)data, i); break;
+        }
+        a += isnan(v) != 0;
+        b += isinf(v) != 0;
+    }
+    *nans = a;
+    *infs = b;
+}
+
+/* Rows of `count` tensors into out[8 * t ...]: `table` holds the tensors' addresses, then their
+ * lengths, then their dtype codes (count int64 each; contiguous values). The zero count is nan
+ * unless `count_zeros` (an empty tensor's is 0); a tensor holding a nan has nan min and max. */
+void msprobe_cpu_rows(int64_t count, const int64_t *table, int32_t count_zeros, double *out) {
+    const int64_t *addresses = table, *numels = table + count, *dtypes = table + 2 * count;
+    for (int64_t t = 0; t < count; t++) {
+        const void *data = (const void *)(intptr_t)addresses[t];
+        int64_t n = numels[t];
+        part_t p;
+        switch (dtypes[t]) {
+        case DT_F32: (count_zeros ? reduce_f32_zeros : reduce_f32)((const float *)data, n, &p); break;
+        case DT_F64: (count_zeros ? reduce_f64_zeros : reduce_f64)((const double *)data, n, &p); break;
+        case DT_F16: (count_zeros ? reduce_f16_zeros : reduce_f16)((const f16_t *)data, n, &p); break;
+        default: (count_zeros ? reduce_bf16_zeros : reduce_bf16)((const uint16_t *)data, n, &p); break;
+        }
+        int64_t nans = 0, infs = 0;
+        if (!isfinite(p.sum) || !isfinite(p.sumsq))
+            count_non_finite(data, dtypes[t], n, &nans, &infs);
+        double *row = out + 8 * t;
+        row[0] = nans ? NAN : p.lo;
+        row[1] = nans ? NAN : p.hi;
+        row[2] = p.sum;
+        row[3] = p.sumsq;
+        row[4] = (double)nans;
+        row[5] = (double)infs;
+        row[6] = count_zeros || n == 0 ? (double)p.zeros : NAN;
+        row[7] = (double)n;
+    }
+}

@@ -1,0 +1,190 @@
+"""The single-pass C kernel for CPU tensors (msprobe_engine/frameworks/torch/cpu_reduce.py).
+
+Its rows are compared with the torch path's rows of the same tensors (the kernel switched off)
+and with the float64 numpy reference, on the fused kernel's cases (tests/fused_reduce_cases.py:
+every dtype, 1 to 300k elements, nan/inf, empty, zero-dim, signed zeros, views) plus float64;
+its build, cache, switch and fallback run in subprocesses with their own cache folder.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from msprobe_engine.frameworks.torch import backend, cpu_reduce
+from tests.fused_reduce_cases import cases, compare
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def torch_path(monkeypatch):
+    """Rows of the torch path: `partial_stats` with the kernel off."""
+    def rows(tensors, count_zeros):
+        with monkeypatch.context() as m:
+            m.setattr(cpu_reduce, "ENABLED", False)
+            return backend.partial_stats(list(tensors), count_zeros=count_zeros).numpy()
+    return rows
+
+
+def all_cases():
+    gen = torch.Generator().manual_seed(9)
+    extra = [(f"randn {n} float64", torch.randn(n, generator=gen, dtype=torch.float64) * 2 - 1)
+             for n in (1, 31, 32, 511, 512, 513, 70_001)]
+    big = torch.randn(300_001, generator=gen)
+    big[::9] = 0.0
+    return cases() + extra + [("randn 300001 float32 with zeros", big), ("subnormals", torch.full((6000,), 1e-40)),
+                              ("squares past float32", torch.full((3000,), 1e25))]
+
+
+@pytest.mark.parametrize("count_zeros", [True, False])
+def test_rows_match_the_torch_path_and_the_float64_reference_alone_and_batched(torch_path, count_zeros):
+    assert cpu_reduce.available(), cpu_reduce.disabled_reason
+    named = all_cases()
+    tensors = [t for _, t in named]
+    want = torch_path(tensors, count_zeros)
+    batched = cpu_reduce.rows(tensors, count_zeros).numpy()  # every dtype in one call
+    problems = []
+    for (name, t), got, cpu in zip(named, batched, want):
+        alone = cpu_reduce.rows([t], count_zeros).numpy()[0]
+        exact_columns = cpu.copy()
+        exact_columns[2:4] = got[2:4]  # sums: against the float64 reference (the torch path's sum of
+        problems += compare(name, got, exact_columns, t, count_zeros)  # squares is float32, less exact)
+        if not np.array_equal(alone, got, equal_nan=True):  # a tensor's row depends on its own values only
+            problems.append(f"{name}: alone {alone.tolist()} != batched {got.tolist()}")
+    assert not problems, problems[:10]
+    assert len(named) > 60
+
+
+class Tagged(torch.Tensor):
+    """A tensor subclass, as DTensor is one."""
+
+
+def test_the_backend_hands_float_cpu_tensors_to_the_kernel_and_keeps_the_rest_in_order(torch_path, monkeypatch):
+    gen = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(100, generator=gen), torch.arange(10), torch.randn(5000, generator=gen).half(),
+               torch.tensor([True, False]), torch.randn(3, 4, generator=gen, dtype=torch.complex64),
+               torch.randn(80_000, generator=gen).bfloat16(), torch.randn(7, generator=gen)._neg_view(),
+               torch.randn(9, generator=gen).as_subclass(Tagged), torch.nn.Parameter(torch.randn(6, generator=gen))]
+    seen = []
+    real_rows = cpu_reduce.rows
+    monkeypatch.setattr(cpu_reduce, "rows", lambda ts, zeros: seen.append([t.dtype for t in ts]) or real_rows(ts, zeros))
+    got = backend.partial_stats(tensors, count_zeros=True).numpy()
+    # ints, bools, complex, a negated view, a subclass (a DTensor's data_ptr is not its values): the torch path
+    assert seen == [[torch.float32, torch.float16, torch.bfloat16, torch.float32]]
+    np.testing.assert_allclose(got, torch_path(tensors, True), rtol=1e-6, equal_nan=True)
+    deferred = [backend.partial_stats([t], count_zeros=True, deferred=True) for t in tensors]
+    np.testing.assert_array_equal(backend.concat(deferred).numpy(), got)  # one tensor a call: the same rows
+
+
+def test_with_several_torch_threads_long_tensors_stay_on_torchs_parallel_reductions(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    short, long = torch.randn(1000), torch.randn(cpu_reduce.PARALLEL_NUMEL + 1)
+    positions, rows = cpu_reduce.measure([long, short], count_zeros=False)
+    assert positions == [1] and rows.shape == (1, 8)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert cpu_reduce.measure([long, short], count_zeros=False)[0] == [0, 1]
+
+
+SCRIPT = r"""
+import json, logging, sys, torch
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+from msprobe_engine.frameworks.torch import backend, cpu_reduce
+x = torch.randn(5000)
+rows = backend.partial_stats([x, x * 2], count_zeros=True).numpy()
+print(json.dumps({"available": cpu_reduce.available(), "reason": cpu_reduce.disabled_reason,
+                  "measured": cpu_reduce.measure([x], False) is not None,
+                  "max": rows[:, 1].tolist(), "want": [float(x.max()), float((x * 2).max())]}))
+"""
+
+
+def run(env: dict, cache: Path) -> tuple[dict, str]:
+    full = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MSPROBE_CACHE_DIR": str(cache), **env}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=full, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+def test_the_library_is_built_once_into_the_cache_and_loaded_from_it_later(tmp_path):
+    first, _ = run({}, tmp_path)
+    assert first["available"] and first["measured"] and first["reason"] is None
+    built = list(tmp_path.glob("cpu_reduce-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    second, _ = run({"CC": "/nonexistent/cc"}, tmp_path)  # a later run needs no compiler
+    assert second["available"] and second["max"] == second["want"]
+    assert built[0].stat().st_mtime_ns == stamp and list(tmp_path.glob("*.so")) == built
+
+
+def test_without_a_compiler_or_with_the_switch_off_the_torch_path_measures_and_says_why(tmp_path):
+    no_cc, log = run({"CC": "/nonexistent/cc"}, tmp_path / "a")
+    assert not no_cc["available"] and not no_cc["measured"]
+    assert "CPU reduction kernel off" in log and "/nonexistent/cc" in log and log.count("kernel off") == 1
+    off, log = run({"MSPROBE_CPU_KERNEL": "0"}, tmp_path / "b")
+    assert off["reason"] == "MSPROBE_CPU_KERNEL=0" and not off["measured"] and "kernel off" not in log
+    assert not (tmp_path / "b").exists()  # nothing built
+    for result in (no_cc, off):
+        assert result["max"] == result["want"]
+
+
+def test_a_compile_error_is_reported_with_the_compilers_message(tmp_path, monkeypatch):
+    bad = tmp_path / "broken.c"
+    bad.write_text("this is not C\n")
+    monkeypatch.setattr(cpu_reduce, "SOURCE", bad)
+    monkeypatch.setenv("MSPROBE_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(RuntimeError, match=r"failed on broken\.c: .*error"):
+        cpu_reduce._build()
+    assert not list((tmp_path / "cache").glob("*.so"))
+
+
+def test_a_monitored_run_records_the_same_statistics_with_the_kernel_and_the_torch_path(tmp_path, monkeypatch):
+    """Outputs, activation and parameter gradients, parameters and optimizer state with every
+    statistic: the same losses bit for bit; min, max, counts and zero_frac exactly, the rest within 1e-6."""
+    from torch import nn
+
+    from msprobe_integrations.torch import TorchMonitor
+
+    def train(enabled: bool):
+        monkeypatch.setattr(cpu_reduce, "ENABLED", enabled)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(50, 32), nn.Linear(32, 256), nn.GELU(), nn.LayerNorm(256),
+                              nn.Linear(256, 50))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        config = {"output_dir": str(tmp_path / str(enabled)), "sinks": [], "strict": True,
+                  "stats": ["min", "max", "mean", "norm", "nan_count", "inf_count", "zero_frac"],
+                  "watch": {"module_outputs": True, "activation_grads": True, "param_grads": True, "params": True,
+                            "optimizer_state": ["exp_avg", "exp_avg_sq", "update"]}}
+        monitor = TorchMonitor(model, opt, config)
+        tokens = torch.randint(0, 50, (8, 40), generator=torch.Generator().manual_seed(1))
+        losses = []
+        for _ in range(3):
+            logits = model(tokens)
+            loss = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            monitor.step_end(loss)
+            losses.append(loss.detach())
+        monitor.close()
+        return torch.stack(losses), [dict(r.metrics) for r in monitor.history]
+
+    want_losses, want = train(False)
+    got_losses, got = train(True)
+    assert torch.equal(got_losses, want_losses)
+    assert len(got) == 3 and set(got[0]) == set(want[0]) and any(t.endswith("/zero_frac") for t in got[0])
+    for g, w in zip(got, want):
+        for tag in w:
+            if tag.startswith("monitor/") or tag.endswith("monitor_ms"):  # the monitor's own cost
+                continue
+            a, b = float(g[tag]), float(w[tag])
+            if tag.rsplit("/", 1)[-1] in ("min", "max", "nan_count", "inf_count", "zero_frac", "numel"):
+                assert a == b or (math.isnan(a) and math.isnan(b)), tag
+            else:
+                assert math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9), (tag, a, b)
