@@ -89,8 +89,11 @@ class Floor:
     def _pre_step(self, optimizer, args, kwargs) -> None:
         if self.watch.param_grads:
             self.sums += [p.grad.sum(dtype=torch.float32) for p in self.params if p.grad is not None]
-        if self.update:
-            self.before = torch._foreach_mul([p.detach() for p in self.params], 1.0)
+        if self.update:  # the parameters' negated copy, into buffers kept between steps (as ours on CPU)
+            if self.before is None:
+                self.before = [torch.empty_like(p) for p in self.params]
+            for kept, p in zip(self.before, self.params):
+                torch.neg(p.detach(), out=kept)
 
     def _post_step(self, optimizer, args, kwargs) -> None:
         if self.watch.params or self.update:
@@ -98,10 +101,9 @@ class Floor:
         for p in self.params:
             state = optimizer.state.get(p, {})
             self.sums += [state[s].sum(dtype=torch.float32) for s in self.states if s in state]
-        if self.before is not None:
-            updates = torch._foreach_sub([p.detach() for p in self.params], self.before)
-            self.sums += [u.sum(dtype=torch.float32) for u in updates]
-            self.before = None
+        if self.update:
+            torch._foreach_add_(self.before, [p.detach() for p in self.params])  # after - before
+            self.sums += [u.sum(dtype=torch.float32) for u in self.before]
 
     def run(self, step: Step) -> torch.Tensor:
         loss = step()

@@ -2,8 +2,9 @@
 shared by its interpreter test (this file run as a script, TRITON_INTERPRET=1, CPU tensors)
 and its GPU test (imported, compiled kernels, CUDA tensors).
 
-Every check compares the kernel's rows with the torch backend's rows of the same tensors on the
-CPU (the CPU path) and with the float64 numpy reference: min, max, the counts and numel exactly
+Every check compares the kernel's rows with the backend's rows of the same tensors on the CPU
+(the CPU path: the C kernel of cpu_reduce.py, or the torch path where it is off) and with the
+float64 numpy reference: min, max, the counts and numel exactly
 (nan equal to nan), sum and sum of squares within the tolerances of tests/test_stats.py.
 
     TRITON_INTERPRET=1 python tests/fused_reduce_cases.py [--quick]   # one JSON line; exit 1 on a mismatch
@@ -192,47 +193,40 @@ def check_backend_hook(device: str) -> list[str]:
     return problems
 
 
-def check_monitor(device: str, steps: int = 2) -> list[str]:
+def monitored_run(device: str, out_dir: str, steps: int = 2) -> tuple[torch.Tensor, list[dict]]:
     """A small model trained on `device` under `TorchMonitor` (outputs, activation and parameter
-    gradients, parameters, optimizer state; every statistic with zero_frac), once with the kernel
-    and once with the torch path: the same losses bit for bit and the same records (min, max,
-    counts and zero_frac exactly, mean and norm within 1e-5)."""
+    gradients, parameters, optimizer state; every statistic with zero_frac): its losses and records."""
     from torch import nn
 
     from msprobe_integrations.torch import TorchMonitor
 
-    def train(devices, out_dir):
-        fused_reduce.DEVICES = devices
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Embedding(50, 32), nn.Linear(32, 128), nn.GELU(), nn.LayerNorm(128),
-                              nn.Linear(128, 50)).to(device)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        config = {"output_dir": out_dir, "sinks": [], "strict": True,
-                  "stats": ["min", "max", "mean", "norm", "nan_count", "inf_count", "zero_frac"],
-                  "watch": {"module_outputs": True, "activation_grads": True, "param_grads": True, "params": True,
-                            "optimizer_state": ["exp_avg", "exp_avg_sq", "update"]}}
-        monitor = TorchMonitor(model, opt, config)
-        tokens = torch.randint(0, 50, (4, 12), generator=torch.Generator().manual_seed(1)).to(device)
-        losses = []
-        for _ in range(steps):
-            logits = model(tokens)
-            loss = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            monitor.step_end(loss)
-            losses.append(loss.detach().cpu())
-        monitor.close()
-        return torch.stack(losses), [dict(r.metrics) for r in monitor.history]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 32), nn.Linear(32, 128), nn.GELU(), nn.LayerNorm(128),
+                          nn.Linear(128, 50)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = {"output_dir": out_dir, "sinks": [], "strict": True,
+              "stats": ["min", "max", "mean", "norm", "nan_count", "inf_count", "zero_frac"],
+              "watch": {"module_outputs": True, "activation_grads": True, "param_grads": True, "params": True,
+                        "optimizer_state": ["exp_avg", "exp_avg_sq", "update"]}}
+    monitor = TorchMonitor(model, opt, config)
+    tokens = torch.randint(0, 50, (4, 12), generator=torch.Generator().manual_seed(1)).to(device)
+    losses = []
+    for _ in range(steps):
+        logits = model(tokens)
+        loss = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        monitor.step_end(loss)
+        losses.append(loss.detach().cpu())
+    monitor.close()
+    return torch.stack(losses), [dict(r.metrics) for r in monitor.history]
 
-    import tempfile
-    devices_before = fused_reduce.DEVICES
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            want_losses, want = train((), f"{tmp}/torch")
-            got_losses, got = train((torch.device(device).type,), f"{tmp}/fused")
-    finally:
-        fused_reduce.DEVICES = devices_before
+
+def run_differences(got: tuple[torch.Tensor, list[dict]], want: tuple[torch.Tensor, list[dict]], steps: int) -> list[str]:
+    """How two `monitored_run`s differ: losses bit for bit; min, max, counts and zero_frac exactly,
+    mean and norm within 1e-5 (the monitor's own cost left out)."""
+    (got_losses, got), (want_losses, want) = got, want
     problems = [] if torch.equal(want_losses, got_losses) else [f"monitor: losses differ {got_losses} {want_losses}"]
     for step, (g, w) in enumerate(zip(got, want)):
         if set(g) != set(w):
@@ -249,6 +243,22 @@ def check_monitor(device: str, steps: int = 2) -> list[str]:
     if len(got) != steps or not any(tag.endswith("/zero_frac") for tag in got[0]):
         problems.append(f"monitor: {len(got)} records, tags {sorted(got[0])[:5] if got else []}")
     return problems
+
+
+def check_monitor(device: str, steps: int = 2) -> list[str]:
+    """`monitored_run` on `device` once with the Triton kernel and once without it (the backend's
+    other path: on CPU the C kernel): no difference."""
+    import tempfile
+    devices_before = fused_reduce.DEVICES
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            fused_reduce.DEVICES = ()
+            want = monitored_run(device, f"{tmp}/torch", steps)
+            fused_reduce.DEVICES = (torch.device(device).type,)
+            got = monitored_run(device, f"{tmp}/fused", steps)
+    finally:
+        fused_reduce.DEVICES = devices_before
+    return run_differences(got, want, steps)
 
 
 def _same(name: str, a: np.ndarray, b: np.ndarray) -> list[str]:

@@ -137,11 +137,10 @@ def rows(tensors: Sequence[torch.Tensor], count_zeros: bool = False) -> torch.Te
     if not all(t.is_contiguous() for t in tensors):
         with torch.no_grad():
             tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]  # alive during the call
-    table = array.array("q", [t.data_ptr() for t in tensors])  # addresses, lengths, dtype codes
-    table.extend([t.numel() for t in tensors])
-    table.extend([DTYPES[t.dtype] for t in tensors])
+    table = array.array("q", [*[t.data_ptr() for t in tensors], *[t.numel() for t in tensors],
+                              *[DTYPES[t.dtype] for t in tensors]])  # addresses, lengths, dtype codes
     out = torch.empty(len(tensors), 8, dtype=torch.float64)
-    _entry()(len(tensors), table.buffer_info()[0], int(bool(count_zeros)), out.data_ptr())
+    _entry()(len(tensors), table.buffer_info()[0], 1 if count_zeros else 0, out.data_ptr())
     return out
 
 
@@ -154,9 +153,11 @@ def eligible(tensor: torch.Tensor, parallel: bool) -> bool:
 def measure(tensors: Sequence[torch.Tensor], count_zeros: bool) -> Optional[tuple[list[int], torch.Tensor]]:
     """The hook of `backend.partial_stats` on CPU: ``(positions, rows)`` of the tensors the kernel
     measured (positions ascending), or None when it measured none (off, not built, none eligible)."""
-    if not tensors or not available():
+    if not tensors or not (ENABLED and available()):
         return None
     parallel = torch.get_num_threads() > 1
+    if len(tensors) == 1:  # a hook's one tensor
+        return ([0], rows(tensors, count_zeros)) if eligible(tensors[0], parallel) else None
     positions = [pos for pos, tensor in enumerate(tensors) if eligible(tensor, parallel)]
     if not positions:
         return None
