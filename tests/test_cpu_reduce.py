@@ -79,8 +79,18 @@ def test_the_backend_hands_float_cpu_tensors_to_the_kernel_and_keeps_the_rest_in
     # ints, bools, complex, a negated view, a subclass (a DTensor's data_ptr is not its values): the torch path
     assert seen == [[torch.float32, torch.float16, torch.bfloat16, torch.float32]]
     np.testing.assert_allclose(got, torch_path(tensors, True), rtol=1e-6, equal_nan=True)
+    with pytest.warns(UserWarning, match="nested"):
+        nested = torch.nested.nested_tensor([torch.randn(3, generator=gen), torch.randn(5, generator=gen)])
+    assert not cpu_reduce.eligible(nested, parallel=False)  # nested tensors stay where they were
     deferred = [backend.partial_stats([t], count_zeros=True, deferred=True) for t in tensors]
     np.testing.assert_array_equal(backend.concat(deferred).numpy(), got)  # one tensor a call: the same rows
+
+
+def test_a_tensor_whose_storage_was_freed_is_an_error_not_a_read_out_of_bounds():
+    freed = torch.randn(1000)
+    freed.untyped_storage().resize_(0)  # what a sharding wrapper does to an unsharded parameter
+    with pytest.raises(ValueError, match=r"shape \(1000,\) has 0 bytes of storage"):
+        cpu_reduce.rows([torch.randn(3), freed])
 
 
 def test_with_several_torch_threads_long_tensors_stay_on_torchs_parallel_reductions(monkeypatch):

@@ -30,10 +30,12 @@ compiler in its first monitored step.
 Selection: `backend.partial_stats` calls `measure` for CPU tensors; it returns None (the torch
 path measures everything) when ``MSPROBE_CPU_KERNEL=0`` is set or `ENABLED` is False, or when
 the library cannot be built or loaded (logged once). A tensor is left to the torch path when
-it is a tensor subclass (a DTensor: its `data_ptr` is not its values), not strided, of another
-dtype, a negated view, or (with torch using more than one
+it is a tensor subclass (a DTensor: its `data_ptr` is not its values), nested, not strided, of
+another dtype, a negated view, or (with torch using more than one
 thread) longer than `PARALLEL_NUMEL`, where torch's multi-threaded reductions may be faster.
-Non-contiguous tensors are copied with `.contiguous()` first.
+Non-contiguous tensors are copied with `.contiguous()` first. A tensor whose storage is smaller
+than its values (freed under it) raises ValueError instead of being read out of bounds (the
+monitor reports it; the run goes on).
 """
 from __future__ import annotations
 
@@ -137,6 +139,10 @@ def rows(tensors: Sequence[torch.Tensor], count_zeros: bool = False) -> torch.Te
     if not all(t.is_contiguous() for t in tensors):
         with torch.no_grad():
             tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]  # alive during the call
+    for t in tensors:  # a storage freed under its tensor (a sharding wrapper's) would be read out of bounds
+        if t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * t.element_size():
+            raise ValueError(f"a {t.dtype} tensor of shape {tuple(t.shape)} has {t.untyped_storage().nbytes()} bytes "
+                             "of storage, fewer than its values need (freed by a sharding wrapper?)")
     table = array.array("q", [*[t.data_ptr() for t in tensors], *[t.numel() for t in tensors],
                               *[DTYPES[t.dtype] for t in tensors]])  # addresses, lengths, dtype codes
     out = torch.empty(len(tensors), 8, dtype=torch.float64)
@@ -147,7 +153,7 @@ def rows(tensors: Sequence[torch.Tensor], count_zeros: bool = False) -> torch.Te
 def eligible(tensor: torch.Tensor, parallel: bool) -> bool:
     """Whether the kernel reads `tensor` (see the module docstring)."""
     return (type(tensor) in _PLAIN and tensor.is_cpu and tensor.dtype in DTYPES and tensor.layout == torch.strided
-            and not tensor.is_neg() and not (parallel and tensor.numel() > PARALLEL_NUMEL))
+            and not tensor.is_nested and not tensor.is_neg() and not (parallel and tensor.numel() > PARALLEL_NUMEL))
 
 
 def measure(tensors: Sequence[torch.Tensor], count_zeros: bool) -> Optional[tuple[list[int], torch.Tensor]]:
