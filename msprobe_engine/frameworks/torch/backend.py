@@ -127,10 +127,12 @@ def partial_stats(tensors: Sequence[torch.Tensor], count_zeros: bool = False, de
     # -- a single-pass kernel where there is one: C on CPU (cpu_reduce.py; MSPROBE_CPU_KERNEL=0 turns it
     # off), Triton on CUDA (fused_reduce.py; MSPROBE_FUSED_REDUCE=0): the rows of the tensors it measured,
     # as one block; the torch paths below measure the rest
-    if device.type == "cpu" and device.type not in fused_reduce.DEVICES:
+    if device.type in fused_reduce.DEVICES:
+        fused = fused_reduce.measure(tensors, count_zeros)
+    elif device.type == "cpu":
         fused = cpu_reduce.measure(tensors, count_zeros)
     else:
-        fused = fused_reduce.measure(tensors, count_zeros) if device.type in fused_reduce.DEVICES else None
+        fused = None
     if fused is not None:
         pending.blocks.append(fused)
         if len(fused[0]) == len(tensors):
