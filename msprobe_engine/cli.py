@@ -180,7 +180,7 @@ def _unreachable(config: Any, spec: str) -> list[str]:
     """Warnings about rules that cannot fire on the model `module:factory` builds."""
     import importlib
 
-    from msprobe_engine.config.reach import unreachable_rules
+    from msprobe_engine.collect.reach import unreachable_rules
 
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:

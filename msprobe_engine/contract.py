@@ -19,19 +19,28 @@ counters across a restart. `Integration` is the small base of the adapters: it h
 monitor, forwards the facade users call, and guards each call it makes so an error inside
 the tool never stops the training (strict mode re-raises).
 
-`Framework` is what a framework package (`msprobe_engine.frameworks.<name>.adapter`)
-provides to the core: its statistics backend, the hooks `Monitor.attach` installs, the
-replay host and its dump session.
+`MonitorPort` is the part of the `Monitor` the adapters (integrations and the frameworks'
+hooks) may use: the lifecycle, the reporting calls, the error policy and the few attributes
+they read. `Framework` is what a framework package (`msprobe_engine.frameworks.<name>.adapter`)
+provides to the core: its names, its statistics backend, the hooks `Monitor.attach` installs,
+the replay host, its dump session, tensor-file loading, the host copier and the API pre-check.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Protocol, Sequence
 
 if TYPE_CHECKING:
+    import numpy as np
+
+    from msprobe_engine.config.schema import MonitorConfig
+    from msprobe_engine.handles import Removable
     from msprobe_engine.incident.actions import StepDecision
+    from msprobe_engine.incident.graph import CallGraph
     from msprobe_engine.incident.replay import ReplayHost
-    from msprobe_engine.monitor import Monitor
     from msprobe_engine.records import StepRecord
+    from msprobe_engine.reducer import Reducer
+    from msprobe_engine.sinks import BackgroundWriter
     from msprobe_engine.stats.table import MetricKey, StatTable
 
 #: the lifecycle calls, in the order they arrive within one optimizer step
@@ -72,14 +81,80 @@ class StepLifecycle:
         """Restore what `state_dict` returned: the run goes on as if it had not stopped."""
 
 
-class Framework(Protocol):
-    """What a framework package gives the core (`registry.load_framework(name)`)."""
+class MonitorPort(Protocol):
+    """The `Monitor` as the adapters see it: exactly the members integrations and the frameworks'
+    hooks use. Everything else of the monitor is its own."""
 
+    config: "MonitorConfig"
+    rank: int
+    #: the current optimizer step, and whether it is monitored (hooks return at once when not)
+    step: int
+    active: bool
+    #: a rule can skip or stop: the decision comes before the optimizer step
+    decide_early: bool
+    #: the statistics backend; the reducer merging the rows over process groups (None: one process)
+    backend: Any
+    reducer: "Reducer | None"
+    #: hook places switched off after an error (`guard`)
+    disabled: set[str]
+    #: the call graph the module hooks fill when incidents are on (None otherwise)
+    graph: "CallGraph | None"
+    #: the one writer thread
+    writer: "BackgroundWriter"
+    #: called with each step's record
+    step_end_listeners: list[Callable[["StepRecord"], None]]
+
+    @property
+    def replaying(self) -> bool:
+        """True while a step is replayed: hooks leave the real step's state alone."""
+
+    @property
+    def replay_host(self) -> "ReplayHost | None":
+        """The framework side of a replay (None: steps are not replayed)."""
+
+    # the lifecycle (`StepLifecycle`)
+    def micro_step_begin(self) -> None: ...
+    def add_tensors(self, keys: Sequence["MetricKey"], tensors: Sequence[Any], divisor: float = 1.0, *,
+                    same: Sequence["MetricKey | None"] = ()) -> None: ...
+    def before_optimizer_step(self, screen: Callable[["StatTable"], "StatTable"] | None = None
+                              ) -> "StepDecision": ...
+    def after_optimizer_step(self) -> None: ...
+    def step_end(self, loss: Any = None) -> "StepRecord | None": ...
+    def close(self) -> None: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    # reporting and the step's rows
+    def report_loss(self, loss: Any) -> None: ...
+    def report_grad_norm(self, value: Any, max_norm: float | None = None) -> None: ...
+    def discard(self, kind: str) -> None: ...
+    def run_step(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any: ...
+    def drain(self) -> None: ...
+    def flush(self) -> None: ...
+
+    # wiring
+    def add_attachment(self, *attachments: "Removable") -> None: ...
+    def forgo_replay(self, reason: str) -> None: ...
+
+    # the error policy (`hook_errors.HookErrors`)
+    def guard(self, where: str) -> ContextManager[None]: ...
+    def hook_failed(self, where: str, exc: Exception) -> None: ...
+    def warn(self, message: str) -> None: ...
+    def warn_unmatched(self, key: str, names: list[str]) -> None: ...
+
+
+class Framework(Protocol):
+    """What a framework package gives the core (`registry.load_framework(name)`); its registration
+    (`registry.register_framework`) says the same `name` and `dump_format`."""
+
+    #: the registry's name (e.g. "torch")
     name: str
+    #: the `framework` field of its dumps (the predecessor's name, e.g. "pytorch")
+    dump_format: str
     #: the statistics backend module (partial_stats, concat, to_host, scalar, pick)
     backend: Any
 
-    def attach(self, monitor: "Monitor", model: Any, optimizer: Any) -> list[Any]:
+    def attach(self, monitor: MonitorPort, model: Any, optimizer: Any) -> list["Removable"]:
         """Install the hooks that feed `monitor` from `model` (and `optimizer`); returns objects
         with a `remove()` method."""
 
@@ -89,6 +164,16 @@ class Framework(Protocol):
     def dump_session(self) -> type:
         """The framework's `PrecisionDebugger` class (a `dump.session.DumpSession`)."""
 
+    def load_tensor_file(self, file: Path, mapped: bool = False) -> Any:
+        """A tensor file of one of its dumps (the registration's `tensor_suffix`), as an array-like
+        (`mapped`: paged in from the file as it is read)."""
+
+    def numpy_copier(self, buffer: "np.ndarray") -> Callable[[int, Any], None]:
+        """A function copying one of its 1-D tensors into row `i` of `buffer` (float64)."""
+
+    def precheck(self) -> Any:
+        """Its side of the API pre-check (`run_ut`): the module replaying recorded API calls."""
+
 
 class Integration:
     """Base of the adapters: holds the `Monitor` and forwards its facade (`step_end`, `close`,
@@ -96,9 +181,9 @@ class Integration:
     adds only what its framework needs. Adapters call the monitor's lifecycle (`StepLifecycle`)
     from their framework's hooks, inside `self.guarded(...)` where an error could escape."""
 
-    monitor: "Monitor"
+    monitor: MonitorPort
 
-    def __init__(self, monitor: "Monitor") -> None:
+    def __init__(self, monitor: MonitorPort) -> None:
         self.monitor = monitor
 
     def __getattr__(self, name: str) -> Any:

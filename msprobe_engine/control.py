@@ -24,13 +24,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from msprobe_engine.config import ConfigError
 from msprobe_engine.config.loader import ConfigErrors, build_section, problems
 from msprobe_engine.config.schema import Schedule, Watch
-from msprobe_engine.rules import Rule
+from msprobe_engine.errors import ConfigError
+from msprobe_engine.sinks import BackgroundWriter
 
 if TYPE_CHECKING:
-    from msprobe_engine.monitor import Monitor
     from msprobe_engine.stats.table import MetricKey
 
 log = logging.getLogger("msprobe_engine")
@@ -44,7 +43,8 @@ WATCH_KINDS = {"module_outputs": "actv", "activation_grads": "actv_grad", "param
 
 
 class Control:
-    """What a control file says, validated against the monitor it controls."""
+    """What a control file says, validated against the monitor it controls: the schedule
+    (None: the config's), the rules switched off, the kinds of rows muted."""
 
     def __init__(self, schedule: Schedule | None = None, rules_off: frozenset[str] = frozenset(),
                  muted: frozenset[str] = frozenset()) -> None:
@@ -102,14 +102,14 @@ def _switches(value: Any, section: str, allowed: set[str], errors: list[str]) ->
 
 
 class ControlFile:
-    """Polls a control file for one monitor (`poll` at every step boundary). `rules`: the
-    monitor's rule objects (switched through their `enabled`)."""
+    """Polls a control file for one monitor (`poll` at every step boundary). `rule_names`: the
+    monitor's rules (the file may switch them off and on)."""
 
-    def __init__(self, path: Path, interval_s: float, rules: Sequence[Rule], schedule: Schedule,
+    def __init__(self, path: Path, interval_s: float, rule_names: Sequence[str], schedule: Schedule,
                  watch: Watch) -> None:
         self.path = path
         self.interval_s = interval_s
-        self.rules = list(rules)
+        self.rule_names = list(rule_names)
         self.configured_schedule = schedule
         self.watched = watched_kinds(watch)
         self.current = Control()
@@ -118,18 +118,21 @@ class ControlFile:
         self._reading = False
         self._read: Any = None              # what the writer thread read: ("ok", data) | ("error", msg)
 
-    def poll(self, monitor: "Monitor") -> None:
-        """At a step boundary: apply what the writer thread read since; every `interval_s`,
-        ask it to look at the file again. Costs one clock read otherwise."""
+    def poll(self, writer: BackgroundWriter, step: int) -> Control | None:
+        """At a step boundary (`step` begins): what the writer thread read since, when it is a
+        valid control (the monitor applies it: `Control.schedule`, `Control.rules_off`); every
+        `interval_s`, ask `writer` to look at the file again. Costs one clock read otherwise."""
+        control = None
         if self._read is not None:
             read, self._read = self._read, None
-            self._apply(monitor, read)
+            control = self._parse(read, step)
         if self._reading or time.monotonic() - self._last_poll < self.interval_s:
-            return
+            return control
         self._last_poll = time.monotonic()
         self._reading = True
-        if not monitor.writer.submit(self._look, "control file read"):
+        if not writer.submit(self._look, "control file read"):
             self._reading = False
+        return control
 
     def _look(self) -> None:
         """Writer thread: read the file; keep what it says when it differs from the last read
@@ -150,25 +153,24 @@ class ControlFile:
         finally:
             self._reading = False
 
-    def _apply(self, monitor: "Monitor", read: tuple[str, Any]) -> None:
+    def _parse(self, read: tuple[str, Any], step: int) -> Control | None:
+        """The control the file says (its schedule: the config's where it has none), or None
+        (reported) when it cannot be used."""
         status, data = read
         try:
             if status == "error":
                 raise ConfigError(data)
-            control = Control.parse(data, [rule.name for rule in self.rules], self.watched)
+            control = Control.parse(data, self.rule_names, self.watched)
         except ConfigError as exc:
             for message in problems(exc):
                 log.warning("msprobe control: %s: %s; the file is ignored", self.path, message)
-            return
+            return None
         self.current = control
         schedule = control.schedule or self.configured_schedule
-        monitor.config.schedule = schedule
-        monitor.active = schedule.is_monitored(monitor.step)
-        for rule in self.rules:
-            rule.enabled = rule.name not in control.rules_off
         log.warning("msprobe control: %s applied from step %d: schedule %s; rules off: %s; muted: %s", self.path,
-                    monitor.step, schedule, ", ".join(sorted(control.rules_off)) or "none",
+                    step, schedule, ", ".join(sorted(control.rules_off)) or "none",
                     ", ".join(sorted(control.muted)) or "none")
+        return Control(schedule, control.rules_off, control.muted)
 
     def unmuted(self, keys: Sequence["MetricKey"], tensors: Sequence[Any], same: Sequence[Any],
                 measured: dict) -> tuple[list, list, list]:

@@ -22,9 +22,10 @@ from __future__ import annotations
 import difflib
 import importlib
 import types
+from dataclasses import dataclass
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
-from msprobe_engine.config.errors import ConfigError
+from msprobe_engine.errors import ConfigError
 
 T = TypeVar("T")
 
@@ -80,41 +81,72 @@ class Registry(Generic[T]):
 
 
 # ---- frameworks ------------------------------------------------------------------------------
-#: framework name -> the module that implements it (imported on first use)
-_FRAMEWORKS: dict[str, str] = {
-    "torch": "msprobe_engine.frameworks.torch.adapter",
-    "mindspore": "msprobe_engine.frameworks.mindspore.adapter",
+@dataclass(frozen=True)
+class FrameworkEntry:
+    """What the core knows of a framework before importing it: `module` holds its `FRAMEWORK`
+    (a `contract.Framework`), `packages` are the top-level packages its models' and tensors'
+    classes come from, `dump_format` is the `framework` field of its dumps (the predecessor's
+    name: "pytorch" for torch), `tensor_suffix` the suffix of the tensor files it loads
+    (`Framework.load_tensor_file`; None: its dumps hold numpy files) and `precheck` whether it
+    replays recorded API calls (`Framework.precheck`, the `run_ut` verb)."""
+
+    module: str
+    packages: tuple[str, ...]
+    dump_format: str
+    tensor_suffix: str | None = None
+    precheck: bool = False
+
+
+#: framework name -> what implements it (imported on first use)
+_FRAMEWORKS: dict[str, FrameworkEntry] = {
+    "torch": FrameworkEntry("msprobe_engine.frameworks.torch.adapter", ("torch",), "pytorch", ".pt", True),
+    "mindspore": FrameworkEntry("msprobe_engine.frameworks.mindspore.adapter", ("mindspore",), "mindspore"),
 }
 
 
-def register_framework(name: str, module: str) -> None:
+def register_framework(name: str, module: str, *, packages: tuple[str, ...] | None = None,
+                       dump_format: str | None = None, tensor_suffix: str | None = None,
+                       precheck: bool = False) -> None:
     """Make the framework implemented in `module` (a module path, imported on first use)
     known as `name`. The module has a top-level `FRAMEWORK` object (see
-    `msprobe_engine.contract.Framework`)."""
-    _FRAMEWORKS[name] = module
+    `msprobe_engine.contract.Framework`) whose `name` is `name` and whose `dump_format` is
+    `dump_format`; `packages` (default: `name`) are the top-level packages of its classes
+    (see `FrameworkEntry` for the rest)."""
+    _FRAMEWORKS[name] = FrameworkEntry(module, tuple(packages or (name,)), dump_format or name, tensor_suffix,
+                                       precheck)
 
 
 def framework_names() -> tuple[str, ...]:
     return tuple(_FRAMEWORKS)
 
 
-def load_framework(name: str) -> Any:
-    """The `Framework` object of `name` (its module is imported now)."""
+def framework_entry(name: str) -> FrameworkEntry:
+    """The registration of framework `name` (a `ConfigError` when there is none)."""
     if name not in _FRAMEWORKS:
         raise ConfigError(f"framework {name!r} is not registered; known: {', '.join(_FRAMEWORKS)}")
-    return importlib.import_module(_FRAMEWORKS[name]).FRAMEWORK
+    return _FRAMEWORKS[name]
+
+
+def load_framework(name: str) -> Any:
+    """The `Framework` object of `name` (its module is imported now)."""
+    return importlib.import_module(framework_entry(name).module).FRAMEWORK
+
+
+def framework_where(**facts: Any) -> str | None:
+    """The registered framework whose registration has these `facts` (e.g. `dump_format="pytorch"`,
+    `tensor_suffix=".pt"`), without importing any; None when none has."""
+    return next((name for name, entry in _FRAMEWORKS.items()
+                 if all(getattr(entry, key) == value for key, value in facts.items())), None)
 
 
 def framework_of(obj: Any) -> str | None:
     """The registered framework whose classes `obj` is built from (e.g. a `torch.nn.Module`
     subclass defined anywhere: 'torch'), judged by the modules of its class hierarchy, without
-    importing any framework; for a module (a backend), the framework whose package holds it.
-    None when no registered framework matches."""
-    if isinstance(obj, types.ModuleType):
-        return next((name for name, module in _FRAMEWORKS.items()
-                     if obj.__name__.startswith(module.rsplit(".", 1)[0] + ".")), None)
-    for klass in type(obj).__mro__:
-        top = (klass.__module__ or "").split(".", 1)[0]
-        if top in _FRAMEWORKS:
-            return top
+    importing any framework; for a module (a backend) or an object of a framework package's own
+    classes, the framework whose package holds it. None when no registered framework matches."""
+    modules = [obj.__name__] if isinstance(obj, types.ModuleType) else [k.__module__ or "" for k in type(obj).__mro__]
+    for module in modules:
+        for name, entry in _FRAMEWORKS.items():
+            if module.split(".", 1)[0] in entry.packages or module.startswith(entry.module.rsplit(".", 1)[0] + "."):
+                return name
     return None

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from msprobe_engine.config.errors import ConfigError
+from msprobe_engine.errors import ConfigError
 
 RUN_NAME_ENV = "MSPROBE_RUN_NAME"
 STATE_FILE = "monitor_state.json"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from msprobe_engine.config.errors import ConfigError
+from msprobe_engine.errors import ConfigError
 
 STATE_VERSION = 1
 

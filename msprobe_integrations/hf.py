@@ -50,8 +50,9 @@ from msprobe_engine.config import ConfigSource
 from msprobe_engine.contract import Integration
 from msprobe_engine.incident.actions import TrainingStopped
 from msprobe_engine.monitor import Monitor
+from msprobe_engine.handles import Handles
 from msprobe_engine.stats.table import MetricKey
-from msprobe_integrations.trainer_hooks import Handles, decide, resumed_config
+from msprobe_integrations.trainer_hooks import decide, resumed_config
 
 __all__ = ["MonitorCallback"]
 

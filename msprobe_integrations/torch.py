@@ -66,10 +66,10 @@ class TorchMonitor(Integration):
         # step alone would wait for the others in the step's collectives: no replay then
         config = self.monitor.config
         if (wrapping.kind in ("ddp", "fsdp2") and config.per_rank and config.incidents.enabled
-                and config.incidents.replay.enabled and self.monitor.replay_host is not None):
-            self.monitor.replay_host = None
-            self.monitor.warn("per_rank under data parallelism: steps are not replayed (a rank whose own rows "
-                              "fired would replay the step alone, and its collectives would wait for the others)")
+                and config.incidents.replay.enabled):
+            self.monitor.forgo_replay("per_rank under data parallelism: steps are not replayed (a rank whose own "
+                                      "rows fired would replay the step alone, and its collectives would wait for "
+                                      "the others)")
         self._install_replica_check(wrapping, optimizer)
 
     def _install_replica_check(self, wrapping: Any, optimizer: Any) -> None:

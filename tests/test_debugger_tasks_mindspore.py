@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from msprobe_engine.config.errors import ConfigError
+from msprobe_engine.errors import ConfigError
 from msprobe_engine.frameworks.mindspore.capture.session import MINDSPORE_TASKS, MindSporePrecisionDebugger
 
 

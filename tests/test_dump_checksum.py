@@ -5,7 +5,7 @@ import pytest
 import torch
 from msprobe.pytorch.xor_checksum import xor_checksum as predecessor_xor  # the real predecessor
 
-from msprobe_engine.config.errors import ConfigError
+from msprobe_engine.errors import ConfigError
 from msprobe_engine.dump import PrecisionDebugger, load_dump
 from msprobe_engine.frameworks.torch.capture.checksum import checksum_text, fold, xor_words
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from msprobe_engine.cli import main
-from msprobe_engine.config.errors import ConfigError
+from msprobe_engine.errors import ConfigError
 from msprobe_engine.dump import PrecisionDebugger, find_rank_dirs
 from msprobe_engine.dump.free_benchmark_files import RESULT_CSV
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from msprobe_engine.config.errors import ConfigError
+from msprobe_engine.errors import ConfigError
 from msprobe_engine.dump import PrecisionDebugger
 
 

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from test_mindspore import Net, Poison, batches, config, grad_fn_of, make  # noqa: E402
 
 from msprobe_engine.analysis import analyze, compare_dumps  # noqa: E402
-from msprobe_engine.config.errors import ConfigError  # noqa: E402
+from msprobe_engine.errors import ConfigError  # noqa: E402
 from msprobe_engine.frameworks.mindspore.capture.session import MindSporePrecisionDebugger  # noqa: E402
 from msprobe_engine.dump.reader import load_dump, stack_by_entry  # noqa: E402
 from msprobe_engine.dump.schema import iter_dump_tensors, validate_dump_json  # noqa: E402

@@ -24,7 +24,7 @@ from mindspore import Parameter, Tensor, nn, ops  # noqa: E402
 
 from msprobe_engine.analysis import analyze  # noqa: E402
 from msprobe_engine.cli import main  # noqa: E402
-from msprobe_engine.config.errors import ConfigError  # noqa: E402
+from msprobe_engine.errors import ConfigError  # noqa: E402
 from msprobe_engine.dump.free_benchmark_files import RESULT_CSV  # noqa: E402
 from msprobe_engine.dump.reader import find_rank_dirs, load_dump  # noqa: E402
 from msprobe_engine.dump.schema import validate_dump_json  # noqa: E402

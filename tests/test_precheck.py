@@ -181,7 +181,7 @@ def test_analysis_side_imports_no_framework():
 
 def test_predecessor_run_ut_config_section(tmp_path):
     from msprobe_engine.analysis.precheck.runner import load_precheck_config
-    from msprobe_engine.config.errors import ConfigError
+    from msprobe_engine.errors import ConfigError
 
     config = {"task": "run_ut", "dump_path": "./dump", "rank": [], "step": [], "level": "L1",
               "run_ut": {"white_list": ["gelu"], "black_list": [], "error_data_path": "./", "is_online": True,

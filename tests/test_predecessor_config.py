@@ -10,7 +10,7 @@ import logging
 
 import pytest
 
-from msprobe_engine.config.errors import ConfigError
+from msprobe_engine.errors import ConfigError
 from msprobe_engine.config.loader import load_config
 from msprobe_engine.dump import load_dump_config
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from msprobe_engine.dump.schema import STAT_KEYS
-from msprobe_engine.registry import load_framework
+from msprobe_engine.registry import framework_of, load_framework
 
 CHUNK = 1 << 18  # elements; 3 float64 buffers of 2 MiB and a 256 KiB mask per thread
 THOUSANDTH = 0.001
@@ -59,7 +59,8 @@ class _Buffers:
     def __init__(self, chunk: int) -> None:
         self.f64 = np.empty((3, chunk))
         self.mask = np.empty(chunk, bool)
-        self.copy_torch: Callable[[int, Any], None] | None = None
+        #: framework name -> its copier into `f64` (`Framework.numpy_copier`), made on first use
+        self.copiers: dict[str, Callable[[int, Any], None]] = {}
 
     @classmethod
     def get(cls, chunk: int) -> _Buffers:
@@ -69,8 +70,9 @@ class _Buffers:
         return cached[chunk]
 
 
-def _is_torch(x: Any) -> bool:
-    return type(x).__module__.startswith("torch")
+def _framework(x: Any) -> str | None:
+    """The framework of a tensor (None: a numpy array or a number)."""
+    return None if isinstance(x, np.ndarray) else framework_of(x)
 
 
 class _Sums:
@@ -86,11 +88,13 @@ class _Sums:
         """Add one chunk (numpy arrays or 1-D torch tensors of the same length)."""
         n = len(a_in)
         a, b = self.buf.f64[0, :n], self.buf.f64[1, :n]
-        if _is_torch(a_in):
-            if self.buf.copy_torch is None:  # torch is imported already: whoever made the tensor did
-                self.buf.copy_torch = load_framework("torch").numpy_copier(self.buf.f64)
-            self.buf.copy_torch(0, a_in)
-            self.buf.copy_torch(1, b_in)
+        framework = _framework(a_in)
+        if framework is not None:
+            copy = self.buf.copiers.get(framework)
+            if copy is None:  # the framework is imported already: whoever made the tensor did
+                copy = self.buf.copiers[framework] = load_framework(framework).numpy_copier(self.buf.f64)
+            copy(0, a_in)
+            copy(1, b_in)
         else:
             np.copyto(a, a_in, casting="unsafe")
             np.copyto(b, b_in, casting="unsafe")
@@ -147,7 +151,7 @@ def _cosine(aa: float, bb: float, ab: float) -> float:
 
 
 def _flat(x: Any) -> Any:
-    if _is_torch(x):
+    if _framework(x) is not None:
         return x.reshape(-1)  # a view when contiguous (a loaded tensor is)
     return np.ravel(x)
 

@@ -1,5 +1,5 @@
 """Typed monitor configuration: schema, loading and validation."""
-from msprobe_engine.config.errors import ConfigError
+from msprobe_engine.errors import ConfigError
 from msprobe_engine.config.loader import ConfigSource, load_config
 from msprobe_engine.config.schema import MonitorConfig, ModuleSelection, Schedule, Watch, Writer
 

@@ -12,7 +12,7 @@ import copy
 import logging
 from typing import Any
 
-from msprobe_engine.config.errors import ConfigError
+from msprobe_engine.errors import ConfigError
 
 log = logging.getLogger("msprobe_engine")
 

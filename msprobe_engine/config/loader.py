@@ -20,8 +20,8 @@ from typing import Any, Union
 
 import yaml
 
-from msprobe_engine.config.errors import ConfigError
-from msprobe_engine.config.fields import INT_LIMIT
+from msprobe_engine.errors import ConfigError
+from msprobe_engine.fields import INT_LIMIT
 from msprobe_engine.config.legacy import LEGACY_KEYS, translate_legacy
 from msprobe_engine.config.schema import MonitorConfig
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from msprobe_engine.config.fields import above, at_least, between, choices, pattern, registered
+from msprobe_engine.fields import above, at_least, between, choices, pattern, registered
 from msprobe_engine.rules import RULES, Rule
 from msprobe_engine.sinks import SINKS, Sink
 from msprobe_engine.stats import DEFAULT_STATS, STATISTICS

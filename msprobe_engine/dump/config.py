@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
-from msprobe_engine.config.errors import ConfigError
+from msprobe_engine.errors import ConfigError
 from msprobe_engine.config.loader import read_file
 from msprobe_engine.dump.schema import FRAMEWORKS, parse_entry_name
 from msprobe_engine.dump.tasks import TASK_LEVELS, TaskOptions, parse_task_options, section_keys

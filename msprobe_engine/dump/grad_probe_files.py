@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from msprobe_engine.config.errors import ConfigError
+from msprobe_engine.errors import ConfigError
 
 STAT_HEADER = ("max", "min", "norm", "shape")
 SUMMARY_PREFIX = "grad_summary_"

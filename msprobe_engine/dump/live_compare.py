@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from msprobe_engine.config.errors import ConfigError
+from msprobe_engine.errors import ConfigError
 from msprobe_engine.dump.reader import DumpError, load_dump
 from msprobe_engine.dump.schema import STAT_KEYS, iter_tensors
 

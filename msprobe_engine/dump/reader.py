@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from msprobe_engine.dump.schema import TensorRef, validate_dump_json
-from msprobe_engine.registry import load_framework
+from msprobe_engine.registry import framework_where, load_framework
 
 DUMP_JSON = "dump.json"
 STACK_JSON = "stack.json"
@@ -129,8 +129,9 @@ class RankDump:
         try:
             if file.suffix == ".npy":
                 return np.load(file, mmap_mode="r" if mapped else None, allow_pickle=False)
-            if file.suffix == ".pt":
-                return load_framework("torch").load_tensor_file(file, mapped)
+            framework = framework_where(tensor_suffix=file.suffix)
+            if framework is not None:
+                return load_framework(framework).load_tensor_file(file, mapped)
         except Exception as e:  # torch.load/np.load raise many types for a corrupt or foreign file
             raise DumpError(f"{where}: cannot load tensor: {type(e).__name__}: {str(e).splitlines()[0]}") from None
         raise DumpError(f"{where}: unknown tensor file type {file.suffix!r} (expected .pt or .npy)")

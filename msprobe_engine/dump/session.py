@@ -25,7 +25,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Iterator
 
-from msprobe_engine.config.errors import ConfigError
+from msprobe_engine.errors import ConfigError
 from msprobe_engine.dump.config import DumpConfig, DumpConfigSource, load_dump_config
 from msprobe_engine.dump.schema import parse_entry_name
 from msprobe_engine.dump.writer import StepFiles, write_file

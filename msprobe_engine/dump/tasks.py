@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from msprobe_engine.config.errors import ConfigError
+from msprobe_engine.errors import ConfigError
 
 #: tasks configured in this module, and the levels each accepts (None: the key is not used)
 TASK_LEVELS: dict[str, tuple[str, ...] | None] = {

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from msprobe_engine.config.fields import between, choices
+from msprobe_engine.fields import between, choices
 from msprobe_engine.registry import Registry
 from msprobe_engine.stats.table import StatTable
 

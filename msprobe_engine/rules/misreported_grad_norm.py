@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from msprobe_engine.config.fields import between, choices
+from msprobe_engine.fields import between, choices
 from msprobe_engine.rules.base import Firing, Rule, register_rule
 
 REPORTED = "train/reported_grad_norm"

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from msprobe_engine.config.fields import choices
+from msprobe_engine.fields import choices
 from msprobe_engine.rules.base import Firing, Rule, register_rule
 from msprobe_engine.stats.table import StatTable
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from msprobe_engine.config.fields import at_least
+from msprobe_engine.fields import at_least
 from msprobe_engine.rules.base import Firing, Rule, register_rule
 
 #: the path prefix of the rows the replica check adds (`train/replica_drift/rank<R>/<param>`)

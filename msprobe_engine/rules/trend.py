@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from msprobe_engine.config.fields import between, choices
+from msprobe_engine.fields import between, choices
 from msprobe_engine.rules.base import Firing, Rule, register_rule
 from msprobe_engine.rules.tags import TagMatcher, one_episode
 

@@ -22,7 +22,7 @@ from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
 from tensorboard.plugins.image import metadata as image_metadata
 from tensorboard.plugins.text import metadata as text_metadata
 
-from msprobe_engine.config.fields import at_least, choices
+from msprobe_engine.fields import at_least, choices
 from msprobe_engine.records import StepRecord
 from msprobe_engine.sinks.base import Sink, register_sink
 from msprobe_engine.sinks.heatmap import NormHistory, enlarge, heatmap_rgb, legend, log_bins, png

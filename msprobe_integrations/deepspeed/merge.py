@@ -16,20 +16,21 @@ import torch
 
 from msprobe_engine.frameworks.torch.distributed import LOCAL, MERGE, GroupMerge, agree
 from msprobe_engine.incident.actions import StepDecision
+from msprobe_engine.reducer import Reducer
 from msprobe_engine.stats.table import MetricKey
 
 #: kinds whose tensors differ from rank to rank (each rank's own data)
 RANK_LOCAL_KINDS = frozenset({"actv", "actv_grad", "train"})
 
 
-class RankMerge:
+class RankMerge(Reducer):
     """`monitor.reducer`: merges packed rows over the data-parallel group in one collective."""
 
     def __init__(self, group=None, per_rank: bool = False) -> None:
         self.group = group
-        self.merge = GroupMerge(group, "data")
+        self.data = GroupMerge(group, "data")
         self.per_rank = per_rank
-        self.world = self.merge.world
+        self.world = self.data.world
         self._device = torch.device("cpu")  # where the rows live (the collectives' device)
 
     def policy(self, key: MetricKey) -> str:
@@ -43,6 +44,6 @@ class RankMerge:
             return decision
         return agree(decision, self.group, self._device)
 
-    def __call__(self, keys: Sequence[MetricKey], rows: torch.Tensor) -> torch.Tensor:
+    def merge(self, keys: Sequence[MetricKey], rows: torch.Tensor) -> torch.Tensor:
         self._device = rows.device
-        return self.merge(keys, rows, self.policy)
+        return self.data(keys, rows, self.policy)

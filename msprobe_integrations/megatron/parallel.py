@@ -26,6 +26,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from msprobe_engine.frameworks.torch.distributed import AUTO, MERGE, ONCE, GroupMerge, layout_checksum
+from msprobe_engine.reducer import Reducer
 from msprobe_engine.stats.table import MetricKey
 from msprobe_integrations.megatron.model import Chunk
 
@@ -65,7 +66,7 @@ class Layout:
         return self.rank(self.tp_group) == 0 and self.rank(self.dp_group) == 0
 
 
-class StatReducer:
+class StatReducer(Reducer):
     """`monitor.reducer` for Megatron: exact merge over TP, then over DP (see module doc)."""
 
     def __init__(self, layout: Layout, tp_partitioned: set[str], dp_sharded: set[str]) -> None:
@@ -83,7 +84,7 @@ class StatReducer:
     def dp_policy(self, key: MetricKey) -> str:
         return ONCE if key.kind in PARAM_KINDS and key.path not in self.dp_sharded else MERGE
 
-    def __call__(self, keys: list[MetricKey], rows: torch.Tensor) -> torch.Tensor:
+    def merge(self, keys: Sequence[MetricKey], rows: torch.Tensor) -> torch.Tensor:
         checksum = layout_checksum(keys)
         if self.tp is not None:
             rows = self.tp(keys, rows, self.tp_policy, checksum)

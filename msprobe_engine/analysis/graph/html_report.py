@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from msprobe_engine.analysis.graph.model import Graph, Node
 
 if TYPE_CHECKING:
-    from msprobe_engine.analysis.graph.service import GraphSet
+    from msprobe_engine.analysis.graph.graph_set import GraphSet
 
 
 def _node(node: Node) -> dict[str, Any]:

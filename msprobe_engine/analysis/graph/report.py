@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from msprobe_engine.analysis.graph.service import GraphSet
+from msprobe_engine.analysis.graph.graph_set import GraphSet
 from msprobe_engine.analysis.graph.tensorboard import format_command
 
 

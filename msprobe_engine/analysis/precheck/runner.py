@@ -14,13 +14,11 @@ from msprobe_engine.analysis.precheck.cases import ApiCase, dump_cases
 from msprobe_engine.analysis.precheck.report import ApiResult, PrecheckReport
 from msprobe_engine.analysis.precheck.standards import check_output
 from msprobe_engine.analysis.progress import Progress
-from msprobe_engine.config.errors import ConfigError
+from msprobe_engine.errors import ConfigError
 from msprobe_engine.config.loader import read_file
 from msprobe_engine.dump.reader import DumpError, RankDump, load_dump
-from msprobe_engine.registry import load_framework
+from msprobe_engine.registry import framework_entry, framework_names, framework_where, load_framework
 
-#: dump.json's ``framework`` -> the registered framework that replays it
-FRAMEWORK_OF_DUMP = {"pytorch": "torch"}
 CONFIG_KEYS = ("white_list", "black_list", "error_data_path", "precision", "is_online", "nfs_path", "host", "port",
                "rank_list", "tls_path")
 
@@ -69,10 +67,11 @@ def load_precheck_config(path: Path | str | None) -> PrecheckConfig:
 
 def precheck_of(dump: RankDump) -> Any:
     """The framework side that replays `dump` (a DumpError for a framework without one)."""
-    name = FRAMEWORK_OF_DUMP.get(dump.framework)
+    name = framework_where(dump_format=dump.framework, precheck=True)
     if name is None:
+        replays = [entry.dump_format for entry in map(framework_entry, framework_names()) if entry.precheck]
         raise DumpError(f"{dump.dump_json}: framework {dump.framework!r}: run_ut replays "
-                        f"{', '.join(FRAMEWORK_OF_DUMP)} dumps")
+                        f"{', '.join(replays)} dumps")
     return load_framework(name).precheck()
 
 

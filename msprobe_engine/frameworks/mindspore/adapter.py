@@ -18,6 +18,7 @@ class MindSporeFramework:
     """mindspore.nn.Cell networks (PyNative mode for hooks)."""
 
     name = "mindspore"
+    dump_format = "mindspore"
     backend = backend
 
     def attach(self, monitor: "Monitor", model: Any, optimizer: Any) -> list[Any]:

@@ -27,6 +27,7 @@ import numpy as np
 from mindspore import Tensor, ops
 
 from msprobe_engine.incident.actions import StepDecision
+from msprobe_engine.reducer import Reducer
 from msprobe_engine.stats import P_MAX, P_MIN, P_NAN
 from msprobe_engine.stats.table import MetricKey
 
@@ -49,7 +50,7 @@ def layout_checksum(keys: Sequence[MetricKey]) -> int:
     return zlib.crc32("\n".join("\t".join(k) for k in keys).encode())
 
 
-class DataParallelMerge:
+class DataParallelMerge(Reducer):
     """`monitor.reducer` for MindSpore data parallelism; see the module docstring."""
 
     def __init__(self, world: int, per_rank: bool = False) -> None:
@@ -59,7 +60,7 @@ class DataParallelMerge:
         self._sum = ops.AllReduce()  # on CPU, AllReduce has only SUM
         self._masks: dict[int, tuple[Tensor, Tensor]] = {}
 
-    def __call__(self, keys: Sequence[MetricKey], rows: Tensor) -> Tensor:
+    def merge(self, keys: Sequence[MetricKey], rows: Tensor) -> Tensor:
         if self.world == 1:
             return rows
         checksum = layout_checksum(keys)

@@ -21,7 +21,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
 
-from msprobe_engine.config.errors import ConfigError
+from msprobe_engine.errors import ConfigError
 from msprobe_engine.dump.config import DumpConfig
 from msprobe_engine.dump.grad_probe_files import GradRows, check_param_list, interval_counts, write_grad_step
 from msprobe_engine.dump.writer import StepData

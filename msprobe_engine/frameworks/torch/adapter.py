@@ -19,6 +19,8 @@ class TorchFramework:
     """torch.nn.Module models and torch.optim optimizers."""
 
     name = "torch"
+    #: the `framework` field of its dumps (the predecessor's name)
+    dump_format = "pytorch"
     backend = backend
 
     def attach(self, monitor: "Monitor", model: Any, optimizer: Any) -> list[Any]:

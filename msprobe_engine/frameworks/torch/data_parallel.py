@@ -29,6 +29,7 @@ from msprobe_engine.frameworks.torch.distributed import (AUTO, LOCAL, MERGE, ONC
                                                          layout_checksum)
 from msprobe_engine.frameworks.torch.fsdp import shard_groups
 from msprobe_engine.incident.actions import StepDecision
+from msprobe_engine.reducer import Reducer
 from msprobe_engine.stats.columns import EMPTY_ROW
 from msprobe_engine.stats.table import MetricKey
 
@@ -138,15 +139,15 @@ def _fsdp1_modules(model: torch.nn.Module) -> str:
     return ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
 
 
-class DataParallelMerge:
+class DataParallelMerge(Reducer):
     """`monitor.reducer` under DDP/FSDP2: one all-gather of the step's packed rows over the
     group (`GroupMerge`), model-state rows taken once (DDP copies) or merged from shards (FSDP2),
     data rows merged (or kept per rank with `per_rank`). With tensor parallelism, one all-gather
     over the tensor-parallel group comes first (see the module docstring)."""
 
     def __init__(self, wrapping: Wrapping, params: Sequence[tuple[str, torch.Tensor]], per_rank: bool) -> None:
-        self.merge = GroupMerge(wrapping.group, "data")
-        self.world = self.merge.world
+        self.data = GroupMerge(wrapping.group, "data")
+        self.world = self.data.world
         self.per_rank = per_rank
         self.sharded, self.copies = shard_groups(params) if wrapping.kind == "fsdp2" else (set(), set())
         self.tp: GroupMerge | None = None
@@ -175,14 +176,14 @@ class DataParallelMerge:
         nothing to agree on, no collective."""
         if not self.per_rank or self.world == 1:
             return decision
-        return agree(decision, self.merge.group, self._device)
+        return agree(decision, self.data.group, self._device)
 
     def tp_policy(self, key: MetricKey) -> str:
         if key.kind in PARAM_KINDS:
             return MERGE if key.path in self.tp_sharded else ONCE
         return AUTO  # replicated activations (a row-parallel output, the loss) once, sharded ones merged
 
-    def __call__(self, keys: list[MetricKey], rows: torch.Tensor) -> torch.Tensor:
+    def merge(self, keys: Sequence[MetricKey], rows: torch.Tensor) -> torch.Tensor:
         self._device = rows.device
         checksum = layout_checksum(keys)
         if self.tp is not None:
@@ -190,7 +191,7 @@ class DataParallelMerge:
         blank = self._blank_mask(checksum, keys, rows.device)
         if blank is not None:
             rows = torch.where(blank[:, None], _empty_row(rows), rows)
-        return self.merge(keys, rows, self.policy, checksum)
+        return self.data(keys, rows, self.policy, checksum)
 
     def _blank_mask(self, checksum: int, keys: Sequence[MetricKey], device: torch.device) -> torch.Tensor | None:
         """Rows this rank holds as a second copy of a shard (HSDP), once per layout."""

@@ -86,10 +86,16 @@ def agree(decision: "StepDecision", group: object, device: torch.device) -> "Ste
     `group`: one all-reduce (MAX) of (skip, stop), so any rank's skip or stop applies to all
     (`StepDecision.joined`). Call it on every rank of the group; a reducer's `agree` (called by
     `Monitor.before_optimizer_step`)."""
-    flags = torch.tensor([float(decision.skip), float(decision.stop)], device=device)
+    return decision.joined(*agree_flags(decision.skip, decision.stop, group, device))
+
+
+def agree_flags(skip: bool, stop: bool, group: object = None, device: torch.device | str = "cpu") -> tuple[bool, bool]:
+    """The collective skip/stop decision: one all-reduce (MAX) of the two flags over `group`
+    (None: the default group), so every rank takes the most cautious one; (skip, stop)."""
+    flags = torch.tensor([float(skip or stop), float(stop)], device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     skip, stop = (bool(f) for f in flags.tolist())
-    return decision.joined(skip, stop)
+    return skip, stop
 
 
 def gather_rows(rows: torch.Tensor, group: object = None) -> torch.Tensor:

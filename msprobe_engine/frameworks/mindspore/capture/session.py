@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from msprobe_engine.config.errors import ConfigError
+from msprobe_engine.errors import ConfigError
 from msprobe_engine.dump.session import DumpSession, check_names
 from msprobe_engine.dump.tasks import require_support
 from msprobe_engine.dump.writer import TENSOR_TASKS, array_crc32

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from msprobe_engine.config.errors import ConfigError
+from msprobe_engine.errors import ConfigError
 from msprobe_engine.dump.session import DumpSession, check_names
 from msprobe_engine.dump.tasks import require_support
 from msprobe_engine.dump.writer import TENSOR_TASKS
