@@ -36,6 +36,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 
 from msprobe_engine.frameworks.torch.optimizer_hooks import STATE_NAMES, HeldGrads, restore_grads, set_aside_grads
+from msprobe_engine.handles import Handles
 from msprobe_engine.stats.table import MetricKey
 from msprobe_integrations.megatron.wrapping import MethodWrap
 
@@ -151,7 +152,7 @@ def grad_of(tensor: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-class OptimizerTap:
+class OptimizerTap(Handles):
     """Reads gradients before, and weights and state after, each optimizer step; and tells
     the monitor (`before_optimizer_step` once the gradients are final, before any weight
     changes; `after_optimizer_step`)."""
@@ -168,18 +169,13 @@ class OptimizerTap:
         self.weights = watch.params or self.update
         self._before: list[torch.Tensor] | None = None
         self._held: HeldGrads = []
-        self._handles: list = []
+        self.handles: list = []
         if isinstance(optimizer, torch.optim.Optimizer):
-            self._handles = [optimizer.register_step_pre_hook(self._torch_pre_step),
+            self.handles = [optimizer.register_step_pre_hook(self._torch_pre_step),
                              optimizer.register_step_post_hook(self._torch_post_step)]
         elif optimizer is not None:
-            self._handles = [MethodWrap(optimizer, "prepare_grads", after=self._grads_ready),
+            self.handles = [MethodWrap(optimizer, "prepare_grads", after=self._grads_ready),
                              MethodWrap(optimizer, "step", after=self._step_done)]
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
 
     def _grads_ready(self, found_inf: bool) -> bool:
         """After Megatron's `prepare_grads()`; returns whether the update must be skipped."""

@@ -33,6 +33,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from msprobe_engine.frameworks.mindspore.backend import Difference, Measured
 from msprobe_engine.collect.flatten import iter_tensors
 from msprobe_engine.collect.selection import ModuleFilter
+from msprobe_engine.handles import Handles
 from msprobe_engine.stats.table import MetricKey
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ class TensorBatch:
         self.keys, self.tensors = [], []
 
 
-class CellHooks:
+class CellHooks(Handles):
     """Forward hooks on the selected Cells of `net`, and gradient hooks on their outputs."""
 
     def __init__(self, monitor: "Monitor", net: nn.Cell, batch: TensorBatch) -> None:
@@ -113,11 +114,6 @@ class CellHooks:
                 hook = jit_safe(partial(self._on_forward, path))
                 self.handles.append(cell.register_forward_hook(hook, with_kwargs=True))
         monitor.warn_unmatched("modules.names", wanted.unmatched_names(set(names)))
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
 
     def _root_pre_hook(self, cell: nn.Cell, args: tuple) -> None:
         self.calls.clear()
@@ -181,7 +177,7 @@ def known_state(optimizer: Any) -> dict[str, str]:
 HeldState = list[tuple[Parameter, Tensor]]
 
 
-class OptimizerState:
+class OptimizerState(Handles):
     """Gradients before, and parameters, optimizer state and update after each optimizer step.
 
     With `hooks`, forward pre/post hooks on the optimizer Cell call `before_step` and
@@ -219,11 +215,6 @@ class OptimizerState:
         if hooks and optimizer is not None:
             self.handles = [optimizer.register_forward_pre_hook(jit_safe(self._pre_hook)),
                             optimizer.register_forward_hook(jit_safe(self._post_hook))]
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
 
     def before_step(self, grads: Any, hooked: bool = False) -> None:
         """At the accumulation boundary: measure `grads` (a tuple in optimizer-parameter

@@ -26,6 +26,7 @@ import torch
 from msprobe_engine.collect.flatten import iter_tensors
 from msprobe_engine.collect.selection import ModuleFilter
 from msprobe_engine.frameworks.torch.flow import TensorFlow
+from msprobe_engine.handles import Handles
 from msprobe_engine.incident.graph import INPUT_GRAD_KIND
 from msprobe_engine.stats.table import MetricKey
 
@@ -42,7 +43,7 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class ModuleHooks:
+class ModuleHooks(Handles):
     """Installs and removes the module hooks of one model."""
 
     def __init__(self, monitor: "Monitor", model: torch.nn.Module, prefix: str = "", *,
@@ -80,11 +81,6 @@ class ModuleHooks:
                 self.handles.append(module.register_forward_hook(self._make_hook(path), with_kwargs=True))
         monitor.warn_unmatched("modules.names", wanted.unmatched_names(
             {rename(n) for n, _ in model.named_modules()}))
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
 
     def _root_pre_hook(self, module, args) -> None:
         if in_backward():

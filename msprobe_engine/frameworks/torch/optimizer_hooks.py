@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Iterable
 
 import torch
 
+from msprobe_engine.handles import Handles
 from msprobe_engine.stats.table import MetricKey
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ def restore_grads(held: HeldGrads) -> None:
         p.grad = grad
 
 
-class OptimizerHooks:
+class OptimizerHooks(Handles):
     """Reads grads before and params/state after each `optimizer.step()`."""
 
     def __init__(self, monitor: "Monitor", model: torch.nn.Module,
@@ -73,11 +74,6 @@ class OptimizerHooks:
         self.handles = [optimizer.register_step_pre_hook(self._pre_step),
                         optimizer.register_step_post_hook(self._post_step)]
         self.optimizer = optimizer
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
 
     def _pre_step(self, optimizer, args, kwargs) -> None:
         monitor = self.monitor

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from mindspore import Parameter, nn
 
 from msprobe_engine.frameworks.mindspore.cell_hooks import jit_safe
+from msprobe_engine.handles import Handles
 
 if TYPE_CHECKING:
     from msprobe_engine.frameworks.mindspore.capture.recorder import CellRecorder
@@ -38,7 +39,7 @@ def parameter_owners(net: nn.Cell) -> dict[int, tuple[str, str]]:
     return {id(p): (key, name) for key, cell in cell_keys(net).items() for name, p in own_parameters(cell)}
 
 
-class DumpCellHooks:
+class DumpCellHooks(Handles):
     """The dump's hooks on one net, on only while a step is dumped (`install`, `remove`).
 
     MindSpore pays for a Cell hook on every call even when it returns at once (measured on
@@ -63,11 +64,6 @@ class DumpCellHooks:
                                                            with_kwargs=True))
             if self.backward:
                 self.handles.append(cell.register_backward_hook(jit_safe(partial(self._backward, key))))
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
 
     def _begin(self, key: str, cell: nn.Cell, args: tuple) -> None:
         self.recorder.cell_begin(key)

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Sequence, Union
 
 import torch
 
+from msprobe_engine.handles import Handles
+
 if TYPE_CHECKING:
     from msprobe_engine.frameworks.torch.capture.recorder import Recorder
 
@@ -35,7 +37,7 @@ def module_keys(models: Models) -> dict[str, torch.nn.Module]:
     return keys
 
 
-class DumpModuleHooks:
+class DumpModuleHooks(Handles):
     """Installs and removes the dump's hooks on the submodules of one model (or list of models)."""
 
     def __init__(self, recorder: "Recorder", models: Models) -> None:
@@ -56,8 +58,3 @@ class DumpModuleHooks:
     @staticmethod
     def _post(recorder: "Recorder", module, args, kwargs, output) -> None:
         recorder.module_end(module, args, kwargs, output)
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
