@@ -81,6 +81,17 @@ class StepLifecycle:
         """Restore what `state_dict` returned: the run goes on as if it had not stopped."""
 
 
+class StepCloser(Protocol):
+    """Framework wiring with work at each step's end (`MonitorPort.add_step_closer`), e.g. measuring
+    the step's tensors together."""
+
+    def close_step(self, loss: Any) -> Any:
+        """First in `step_end(loss)`: returns the loss `step_end` still reports (None: none)."""
+
+    def step_closed(self) -> None:
+        """Last in `step_end`: the next step begins."""
+
+
 class MonitorPort(Protocol):
     """The `Monitor` as the adapters see it: exactly the members integrations and the frameworks'
     hooks use. Everything else of the monitor is its own."""
@@ -133,7 +144,12 @@ class MonitorPort(Protocol):
     def flush(self) -> None: ...
 
     # wiring
+    @property
+    def attachments(self) -> tuple["Removable", ...]:
+        """What is installed for this monitor (`add_attachment`, `Monitor.attach`)."""
+
     def add_attachment(self, *attachments: "Removable") -> None: ...
+    def add_step_closer(self, closer: StepCloser) -> None: ...
     def forgo_replay(self, reason: str) -> None: ...
 
     # the error policy (`hook_errors.HookErrors`)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from msprobe_engine.config import ConfigSource, MonitorConfig, load_config
-from msprobe_engine.contract import StepLifecycle
+from msprobe_engine.contract import StepCloser, StepLifecycle
 from msprobe_engine.control import CONTROL_NAME, Control, ControlFile
 from msprobe_engine.health import HealthMeter
 from msprobe_engine.hook_errors import HookErrors
@@ -88,6 +88,7 @@ class Monitor(StepLifecycle):
                                    config.watch) if config.control.enabled else None
         self._count_zeros = "zero_count" in optional_columns(config.stats)
         self._attachments: list = []
+        self._closers: list[StepCloser] = []
         if writes is None:  # an integration may choose, e.g. one writer per pipeline stage
             writes = self.rank == 0 or config.per_rank
         writes = writes and bool(config.sinks)
@@ -177,10 +178,21 @@ class Monitor(StepLifecycle):
         by `detach`/`close`."""
         self._attachments += attachments
 
+    @property
+    def attachments(self) -> tuple[Any, ...]:
+        """What `attach` and the integration installed (`add_attachment`), in that order."""
+        return tuple(self._attachments)
+
+    def add_step_closer(self, closer: StepCloser) -> None:
+        """`closer.close_step(loss)` runs first in each `step_end`, `closer.step_closed()` last
+        (a framework measuring a step's tensors together at its end)."""
+        self._closers.append(closer)
+
     def detach(self) -> None:
         for attachment in self._attachments:
             attachment.remove()
         self._attachments.clear()
+        self._closers.clear()
 
     def forgo_replay(self, reason: str) -> None:
         """Replay no step (an integration whose steps cannot be replayed on one rank alone); warns once."""
@@ -304,6 +316,8 @@ class Monitor(StepLifecycle):
         """Close the optimizer step: one transfer, rules, one record to the writer."""
         if self.replay.replaying:
             return None
+        for closer in self._closers:
+            loss = closer.close_step(loss)
         self.report_loss(loss)
         record = None
         if self.clock.active:
@@ -313,6 +327,8 @@ class Monitor(StepLifecycle):
         if self.control is not None:
             with self.guard("control file"):
                 self._apply(self.control.poll(self.writer, self.clock.step))
+        for closer in self._closers:
+            closer.step_closed()
         return record
 
     def _apply(self, control: Control | None) -> None:

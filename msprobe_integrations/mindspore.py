@@ -37,20 +37,13 @@ from mindspore.experimental import optim
 from mindspore.train import Callback, RunContext
 
 from msprobe_engine.frameworks.mindspore import backend as mindspore_backend
-from msprobe_engine.frameworks.mindspore.cell_hooks import CellHooks, OptimizerState, TensorBatch, compiled, is_tensor
+from msprobe_engine.frameworks.mindspore.cell_hooks import is_tensor
 from msprobe_engine.frameworks.mindspore.distributed import DataParallelMerge, data_parallel_world
+from msprobe_engine.frameworks.mindspore.wiring import CellWiring
 from msprobe_engine.config import ConfigSource, load_config
 from msprobe_engine.contract import Integration
 from msprobe_engine.monitor import Monitor
 from msprobe_engine.records import StepRecord
-from msprobe_engine.stats.table import MetricKey
-
-GRAPH_MODE_WARNING = (
-    "GRAPH_MODE: Cell hooks do not run in a compiled graph, so activations and activation gradients "
-    "are NOT monitored; loss, parameters and optimizer state are read at step end, and parameter "
-    "gradients when they are handed over (step_end(loss, grads), or a train network built with "
-    "nn.TrainOneStepCell(..., return_grad=True)). Use PYNATIVE_MODE to monitor activations.")
-
 
 class MindSporeMonitor(Integration):
     """Monitor a MindSpore Cell and its optimizer; call `step_end(loss, grads)` once per step.
@@ -70,49 +63,18 @@ class MindSporeMonitor(Integration):
         config = load_config(config)
         if world > 1:  # statistics of the whole data-parallel batch (per_rank: each rank's own data too)
             kwargs.setdefault("reducer", DataParallelMerge(world, per_rank=config.per_rank))
-        super().__init__(Monitor(config, backend=mindspore_backend, **kwargs))
-        monitor = self.monitor
-        self.batch = TensorBatch(monitor)
-        pynative = not compiled()
-        if not pynative:
-            monitor.warn(GRAPH_MODE_WARNING)
-        self.cells = CellHooks(monitor, net, self.batch) if pynative else None
-        self.optim = OptimizerState(monitor, net, optimizer, self.batch, hooks=pynative)
-        monitor.add_attachment(*([self.cells] if self.cells is not None else []), self.optim)
-        self.optim.snapshot()  # for a first step whose optimizer runs where no hook does
+        super().__init__(Monitor(config, backend=mindspore_backend, **kwargs).attach(net, optimizer))
+        self.wiring = next(a for a in self.monitor.attachments if isinstance(a, CellWiring))
+        self.batch, self.cells, self.optim = self.wiring.batch, self.wiring.cells, self.wiring.optim
 
     def step_end(self, loss: Any = None, grads: Any = None) -> StepRecord | None:
         """Close the optimizer step. `grads` (a tuple in optimizer-parameter order, or a
         {parameter name: grad} dict) is used only when the optimizer's hooks did not run."""
-        monitor = self.monitor
-        ran_compiled = not self.optim.stepped
-        if ran_compiled:
-            self._read_compiled_step(grads)
-        if monitor.active and self.cells is not None and self.cells.paths and not self.cells.fired:
-            monitor.warn("no Cell hook ran in a monitored step: the net ran compiled (mindspore.jit); "
-                         "activations are not monitored")
-        if monitor.active and is_tensor(loss):  # measured with the rest: one backend call per step
-            self.batch.add([MetricKey("train", "loss")], [loss])
-            loss = None
-        self.batch.flush()
-        record = monitor.step_end(loss)
-        self.optim.stepped = False
-        if self.cells is not None:
-            self.cells.fired = False
-        if ran_compiled:
-            self.optim.snapshot()
-        return record
-
-    def _read_compiled_step(self, grads: Any) -> None:
-        """The optimizer step ran where no hook runs: read its gradients and state now."""
-        monitor = self.monitor
-        if self.cells is None or not self.cells.fired:
-            monitor.micro_step_begin()
-        if monitor.active and grads is None and monitor.config.watch.param_grads:
-            monitor.warn("parameter gradients are not monitored: no optimizer hook saw them (compiled "
-                         "step, or no optimizer given); pass them as step_end(loss, grads)")
-        self.optim.before_step(grads)
-        self.optim.after_step()
+        self.wiring.grads = grads
+        try:
+            return self.monitor.step_end(loss)
+        finally:
+            self.wiring.grads = None
 
 
 class MonitorCallback(Callback):

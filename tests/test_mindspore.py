@@ -181,6 +181,30 @@ def test_a_value_and_grad_step_equals_a_numpy_reference(tmp_path):
     assert {k.split("/")[1] for k in metrics if k.startswith("actv_grad/")} == {"fc1", "act", "poison", "fc2"}
 
 
+def test_monitor_attach_wires_a_cell_as_the_integration_does(tmp_path):
+    """`Monitor(config).attach(net, optimizer)` (the framework's `attach`) records what
+    `MindSporeMonitor` records, bit for bit, and `detach` takes every hook out."""
+    from msprobe_engine.monitor import Monitor
+
+    records = {}
+    for how in ("integration", "attach"):
+        net, opt = make()
+        cfg = config(tmp_path / how)
+        monitor = MindSporeMonitor(net, opt, cfg) if how == "integration" else Monitor(cfg).attach(net, opt)
+        grad_fn = grad_fn_of(net, opt)
+        for x, y in batches(2):
+            loss, grads = grad_fn(Tensor(x), Tensor(y))
+            opt(grads)
+            monitor.step_end(loss)
+        monitor.close()
+        records[how] = [r.metrics for r in monitor.history]
+        assert not any(cell._forward_hook for _, cell in net.cells_and_names())
+    assert {k for k in records["attach"][0] if k.startswith(("actv/", "grad/", "optim/"))}
+    drop = ("monitor/", "Health/monitor_ms")  # the monitor's own timings
+    assert [{k: v for k, v in m.items() if not k.startswith(drop)} for m in records["attach"]] == \
+        [{k: v for k, v in m.items() if not k.startswith(drop)} for m in records["integration"]]
+
+
 def test_gradients_of_cell_outputs_and_repeated_calls_are_named_per_call(tmp_path):
     class Twice(nn.Cell):
         def __init__(self) -> None:
