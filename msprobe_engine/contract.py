@@ -53,32 +53,46 @@ class StepLifecycle:
     Every method is a no-op here; `Monitor` implements them."""
 
     def micro_step_begin(self) -> None:
-        """A micro-batch starts (once per forward of the root model); closes a step left open."""
+        """A micro-batch starts (once per forward of the root model); closes a step left open
+        (its optimizer step ran but `step_end` was not called)."""
 
     def add_tensors(self, keys: Sequence["MetricKey"], tensors: Sequence[Any], divisor: float = 1.0, *,
                     same: Sequence["MetricKey | None"] = ()) -> None:
-        """Tensors measured now, on their device, under `keys`; nothing reaches the host."""
+        """Measure `tensors` (named by `keys`) on their device; nothing reaches the host. `divisor`
+        (> 0, e.g. an fp16 loss scale still in the gradients) divides every value, exactly. `same`,
+        when given, has one entry per tensor: None, or the key of an earlier row of that very
+        tensor, unchanged since, added in this step (or this call) by a call that gave `same`
+        too, with the same divisor; that row is repeated instead of measuring the tensor again
+        (the backend's `pick`)."""
 
     def before_optimizer_step(self, screen: Callable[["StatTable"], "StatTable"] | None = None) -> "StepDecision":
         """At the accumulation boundary, gradients final: the decision for the optimizer step
-        (skip it when `decision.skip`); raises `TrainingStopped` for a `stop` rule."""
+        (skip it when `decision.skip`, always during a replay). When a rule's action needs a
+        decision before the weights change (skip/stop), or the step runs through `run_step`, the
+        step's statistics are transferred and evaluated here. A firing `stop` rule flushes every
+        writer and raises `TrainingStopped`. `screen`, when given, gets the step's (reduced) table
+        before the rules and returns the table the rules and the record see (e.g. without the
+        gradients of an fp16 overflow step, which the framework skips by itself)."""
         raise NotImplementedError
 
     def after_optimizer_step(self) -> None:
         """The framework's optimizer step has run (or was skipped as decided)."""
 
     def step_end(self, loss: Any = None) -> "StepRecord | None":
-        """Close the optimizer step: one host transfer, the rules, one record to the sinks."""
+        """Close the optimizer step: one host transfer, the rules, one record to the sinks (None
+        when the record waits for the next transfer, or the step is not monitored)."""
 
     def close(self) -> None:
-        """End of training: emit what is pending, flush and close every sink."""
+        """End of training: emit what is pending, flush and close every sink, remove the hooks."""
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain-Python state to save with a checkpoint (step, rules, incidents)."""
+        """The run's state to save with a checkpoint (plain Python types; `torch.save`-able): the
+        step, every rule's running state, open alert episodes and incident counters."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned: the run goes on as if it had not stopped."""
+        """Restore what `state_dict` returned: the run goes on from the saved step with the same
+        rule state (running averages, open episodes) and incident counters."""
 
 
 class StepCloser(Protocol):
@@ -153,10 +167,18 @@ class MonitorPort(Protocol):
     def forgo_replay(self, reason: str) -> None: ...
 
     # the error policy (`hook_errors.HookErrors`)
-    def guard(self, where: str) -> ContextManager[None]: ...
-    def hook_failed(self, where: str, exc: Exception) -> None: ...
-    def warn(self, message: str) -> None: ...
-    def warn_unmatched(self, key: str, names: list[str]) -> None: ...
+    def guard(self, where: str) -> ContextManager[None]:
+        """Context manager around a hook body: an error is logged once and `where` disabled
+        (strict mode re-raises)."""
+
+    def hook_failed(self, where: str, exc: Exception) -> None:
+        """What `guard` does, from a hot hook's own ``except`` clause."""
+
+    def warn(self, message: str) -> None:
+        """Log `message` as a warning, once."""
+
+    def warn_unmatched(self, key: str, names: list[str]) -> None:
+        """Warn once that the modules `names` of config `key` do not exist."""
 
 
 class Framework(Protocol):

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from msprobe_engine.config.loader import ConfigErrors, build_section, problems
-from msprobe_engine.config.schema import Schedule, Watch
+from msprobe_engine.config.schema import MonitorConfig, Schedule, Watch
 from msprobe_engine.errors import ConfigError
 from msprobe_engine.sinks import BackgroundWriter
 
@@ -117,6 +117,15 @@ class ControlFile:
         self._seen: str | None = None       # the text of the last read (None: no file)
         self._reading = False
         self._read: Any = None              # what the writer thread read: ("ok", data) | ("error", msg)
+
+    @classmethod
+    def of(cls, config: MonitorConfig, rule_names: Sequence[str]) -> "ControlFile | None":
+        """The control file of a monitor with `config` (None: `control.enabled` is false)."""
+        control = config.control
+        if not control.enabled:
+            return None
+        path = Path(control.file or Path(config.output_dir) / CONTROL_NAME)
+        return cls(path, control.interval_s, rule_names, config.schedule, config.watch)
 
     def poll(self, writer: BackgroundWriter, step: int) -> Control | None:
         """At a step boundary (`step` begins): what the writer thread read since, when it is a

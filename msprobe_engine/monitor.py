@@ -20,32 +20,30 @@ for a `stop` rule; alerts that start leave incidents (`incident` package).
 """
 from __future__ import annotations
 
-import itertools
+import operator
 import os
-import time
-from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 from msprobe_engine.config import ConfigSource, MonitorConfig, load_config
 from msprobe_engine.contract import StepCloser, StepLifecycle
-from msprobe_engine.control import CONTROL_NAME, Control, ControlFile
+from msprobe_engine.control import Control, ControlFile
 from msprobe_engine.health import HealthMeter
 from msprobe_engine.hook_errors import HookErrors
-from msprobe_engine.incident.actions import StepDecision, TrainingStopped
+from msprobe_engine.handles import Handles, Removable
+from msprobe_engine.incident.actions import StepDecision
 from msprobe_engine.incident.graph import HIDDEN_KINDS, CallGraph
-from msprobe_engine.incident.recorder import Incident, IncidentContext, IncidentRecorder, StepFacts
-from msprobe_engine.incident.replay import ReplayHost
+from msprobe_engine.incident.recorder import IncidentContext, IncidentRecorder, StepFacts
 from msprobe_engine.reducer import Reducer
 from msprobe_engine.records import StepRecord
 from msprobe_engine.registry import framework_names, framework_of, load_framework
 from msprobe_engine.rules import build_rules
-from msprobe_engine.run_dir import open_run_dir
-from msprobe_engine.sinks import BackgroundWriter, create_sinks
-from msprobe_engine.stats import divide, numpy_backend, optional_columns
+from msprobe_engine.stats import numpy_backend, optional_columns
 from msprobe_engine.stats.metrics import MetricNamer
 from msprobe_engine.stats.table import MetricKey, StatTable
 from msprobe_engine.steps.clock import StepClock
 from msprobe_engine.steps.emit import RecordEmitter
+from msprobe_engine.steps.measure import Measurer
+from msprobe_engine.steps.outputs import open_outputs
 from msprobe_engine.steps.pipeline import StepPipeline
 from msprobe_engine.steps.replay import ReplayDriver, replayable
 from msprobe_engine.steps.state import load_state, save_state
@@ -53,6 +51,14 @@ from msprobe_engine.steps.state import load_state, save_state
 
 #: the dump format of incidents before any framework is seen (numbers measured on the host)
 DEFAULT_DUMP_FORMAT = "pytorch"
+
+
+def _part(part: str, name: str, doc: str, settable: bool = True) -> property:
+    """An attribute of the monitor that lives in one of its parts (`part`: a dotted path)."""
+    def owner(monitor: "Monitor") -> Any:
+        return operator.attrgetter(part)(monitor)
+    setter = (lambda monitor, value: setattr(owner(monitor), name, value)) if settable else None
+    return property(lambda monitor: getattr(owner(monitor), name), setter, doc=doc)
 
 
 class Monitor(StepLifecycle):
@@ -80,28 +86,17 @@ class Monitor(StepLifecycle):
         self.errors = HookErrors(config.strict, step=lambda: self.clock.step)
         #: errors in hook bodies so far, by place; the places switched off (hooks check it)
         self.hook_errors, self.disabled = self.errors.counts, self.errors.disabled
+        self.guard, self.hook_failed, self.warn = self.errors.guard, self.errors.failed, self.errors.warn
         self._rules = build_rules(config.alerts)
         metrics = MetricNamer(config.stats, "ratio" in config.watch.optimizer_state, HIDDEN_KINDS)
         #: the live control file (docs/control.md), polled at step boundaries
-        self.control = ControlFile(Path(config.control.file or Path(config.output_dir) / CONTROL_NAME),
-                                   config.control.interval_s, [rule.name for rule in self._rules], config.schedule,
-                                   config.watch) if config.control.enabled else None
-        self._count_zeros = "zero_count" in optional_columns(config.stats)
-        self._attachments: list = []
-        self._closers: list[StepCloser] = []
-        if writes is None:  # an integration may choose, e.g. one writer per pipeline stage
-            writes = self.rank == 0 or config.per_rank
-        writes = writes and bool(config.sinks)
-        #: <output_dir>/<run name>/ and this rank's directory in it (`run_dir`)
-        self.run = open_run_dir(config.output_dir, config.run_name, config.resume, self.rank, writes,
-                                config.incidents.dir)
-        self.run_dir = self.run.rank_dir
-        sinks = create_sinks(config.sinks, self.run_dir, self.run.incidents) if writes else []
-        self.writer = BackgroundWriter(config.writer.queue_size, config.writer.when_full, strict=config.strict)
-        for sink in sinks:
-            self.writer.submit(sink.open, f"{sink.name} sink open")
-        emitter = RecordEmitter(self.rank, sinks, self.writer, metrics, HealthMeter([r.name for r in self._rules]),
-                                config.ring_buffer)
+        self.control = ControlFile.of(config, [rule.name for rule in self._rules])
+        self._attachments, self._closers = Handles(), list[StepCloser]()
+        outputs = open_outputs(config, self.rank, writes)
+        #: <output_dir>/<run name>/ and this rank's directory in it (`run_dir`); the writer thread
+        self.run, self.run_dir, self.writer = outputs.run, outputs.run.rank_dir, outputs.writer
+        emitter = RecordEmitter(self.rank, outputs.sinks, self.writer, metrics,
+                                HealthMeter([r.name for r in self._rules]), config.ring_buffer)
         self.history, self.alert_log, self.step_end_listeners = emitter.history, emitter.alert_log, emitter.listeners
         self.incidents = IncidentRecorder(IncidentContext(
             config, self.rank, DEFAULT_DUMP_FORMAT, self.writer, self._rules, self.history, metrics, self.warn,
@@ -122,31 +117,30 @@ class Monitor(StepLifecycle):
         self.rows = self.pipeline.rows
         self.decide_early = self.pipeline.decide_early
         self._use_framework(backend, framework_of(backend) if backend is not None else None)
+        self._measure = Measurer(self.clock, self.pipeline, self.control,
+                                 "zero_count" in optional_columns(config.stats),
+                                 self.tensor_meta if self.incidents is not None else None, self._find_backend)
+        #: `StepLifecycle.add_tensors`, the hot path: the measurer's own method, no call in between
+        self.add_tensors = self._measure.add
         saved = self.run.saved_state()
         if saved is not None:
             self.load_state_dict(saved)
 
     # ---- the parts' state, as attributes -------------------------------------------------
-    step = property(lambda self: self.clock.step, lambda self, v: setattr(self.clock, "step", v),
-                    doc="The current optimizer step.")
-    micro_steps = property(lambda self: self.clock.micro_steps, lambda self, v: setattr(self.clock, "micro_steps", v),
-                           doc="Micro-steps begun in the current optimizer step.")
-    active = property(lambda self: self.clock.active, lambda self, v: setattr(self.clock, "active", v),
-                      doc="Whether the current step is monitored (hooks return at once when not).")
-    backend = property(lambda self: self.pipeline.backend, lambda self, v: setattr(self.pipeline, "backend", v),
-                       doc="The statistics backend (a framework's `backend` module).")
-    reducer = property(lambda self: self.pipeline.reducer, lambda self, v: setattr(self.pipeline, "reducer", v),
-                       doc="Merges the packed rows over process groups just before the transfer (None: one process).")
-    read_late = property(lambda self: self.pipeline.read_late, lambda self, v: setattr(self.pipeline, "read_late", v),
-                         doc="Read a step's statistics one step late (None: when they live on an accelerator).")
-    replay_host = property(lambda self: self.replay.host, doc="The framework side of a replay (None: no replays).")
-    replaying = property(lambda self: self.replay.replaying,
-                         doc="True while a step is replayed: hooks must leave the real step's state alone.")
-    records_written = property(lambda self: self.pipeline.emitter.records_written, doc="Records emitted so far.")
-    transfers = property(lambda self: self.rows.transfers, doc="Device-to-host copies so far (one per monitored step).")
-    host_syncs = property(lambda self: self.rows.host_syncs,
-                          doc="Blocking device-to-host reads so far (at most one per monitored step).")
-    _warned = property(lambda self: self.errors.warned)
+    step = _part("clock", "step", "The current optimizer step.")
+    micro_steps = _part("clock", "micro_steps", "Micro-steps begun in the current optimizer step.")
+    active = _part("clock", "active", "Whether the current step is monitored (hooks return at once when not).")
+    backend = _part("pipeline", "backend", "The statistics backend (a framework's `backend` module).")
+    reducer = _part("pipeline", "reducer", "Merges the rows over process groups before the transfer (None: one process).")
+    read_late = _part("pipeline", "read_late", "Read statistics one step late (None: when they live on an accelerator).")
+    replay_host = _part("replay", "host", "The framework side of a replay (None: no replays).", settable=False)
+    replaying = _part("replay", "replaying", "True while a step is replayed: hooks leave the real step's state alone.",
+                      settable=False)
+    records_written = _part("pipeline.emitter", "records_written", "Records emitted so far.", settable=False)
+    transfers = _part("rows", "transfers", "Device-to-host copies so far (one per monitored step).", settable=False)
+    host_syncs = _part("rows", "host_syncs", "Blocking device-to-host reads so far (at most one per monitored step).",
+                       settable=False)
+    _warned = _part("errors", "warned", "The warnings given so far.", settable=False)
 
     # ---- wiring -----------------------------------------------------------------
     def attach(self, model: Any, optimizer: Any = None) -> "Monitor":
@@ -173,15 +167,15 @@ class Monitor(StepLifecycle):
             self.incidents.context.framework = framework.dump_format
         return framework
 
-    def add_attachment(self, *attachments: Any) -> None:
+    def add_attachment(self, *attachments: Removable) -> None:
         """Hooks an integration installed for this monitor (objects with `remove()`), removed
         by `detach`/`close`."""
-        self._attachments += attachments
+        self._attachments.handles += attachments
 
     @property
-    def attachments(self) -> tuple[Any, ...]:
+    def attachments(self) -> tuple[Removable, ...]:
         """What `attach` and the integration installed (`add_attachment`), in that order."""
-        return tuple(self._attachments)
+        return tuple(self._attachments.handles)
 
     def add_step_closer(self, closer: StepCloser) -> None:
         """`closer.close_step(loss)` runs first in each `step_end`, `closer.step_closed()` last
@@ -189,9 +183,8 @@ class Monitor(StepLifecycle):
         self._closers.append(closer)
 
     def detach(self) -> None:
-        for attachment in self._attachments:
-            attachment.remove()
-        self._attachments.clear()
+        """Remove every hook installed for this monitor."""
+        self._attachments.remove()
         self._closers.clear()
 
     def forgo_replay(self, reason: str) -> None:
@@ -202,47 +195,11 @@ class Monitor(StepLifecycle):
 
     # ---- lifecycle --------------------------------------------------------------
     def micro_step_begin(self) -> None:
-        """A new micro-batch starts; closes the previous step if `step_end` was not called."""
         if self.replay.replaying:
             return
         if self.clock.optimizer_done:
             self.step_end()
         self.clock.micro_steps += 1
-
-    def add_tensors(self, keys: Sequence[MetricKey], tensors: Sequence[Any], divisor: float = 1.0, *,
-                    same: Sequence[MetricKey | None] = ()) -> None:
-        """Measure `tensors` (named by `keys`) on their device; no host transfer. `divisor` (> 0,
-        e.g. an fp16 loss scale still in the gradients) divides every value, exactly. `same`,
-        when given, has one entry per tensor: None, or the key of an earlier row of that very
-        tensor, unchanged since, added in this step (or this call) by a call that gave `same`
-        too, with the same divisor; that row is repeated instead of measuring the tensor again
-        (the backend's `pick`)."""
-        if not (self.clock.active and tensors):
-            return
-        if self.control is not None and self.control.current.muted:
-            keys, tensors, same = self.control.unmuted(keys, tensors, same, self.rows.last)
-            if not tensors:
-                return
-        if self.backend is None:
-            self._find_backend(tensors[0])
-        backend, started = self.backend, time.perf_counter()
-        measured = [t for t, prior in zip(tensors, same) if prior is None] if same else tensors
-        if not measured:
-            rows = None
-        elif divisor == 1.0:  # packed into rows with the step's others, at the transfer
-            rows = backend.partial_stats(measured, count_zeros=self._count_zeros, deferred=True)
-        else:
-            rows = divide(backend.partial_stats(measured, count_zeros=self._count_zeros), divisor)
-        if len(measured) < len(tensors):
-            own = dict(zip([key for key, prior in zip(keys, same) if prior is None],
-                           zip(itertools.repeat(rows), itertools.count())))
-            rows = backend.pick([own[key] if prior is None else own.get(prior) or self.rows.last[prior]
-                                 for key, prior in zip(keys, same)])
-        if self.incidents is not None:
-            self.tensor_meta.update((key, (t.dtype, t.shape, getattr(t, "requires_grad", False)))
-                                    for key, t in zip(keys, tensors))
-        self.rows.add(self.clock.step, keys, rows, remember=bool(same), seconds=time.perf_counter() - started,
-                      measured=len(measured))
 
     def discard(self, kind: str) -> None:
         """Drop this step's not yet transferred statistics of `kind`, e.g. the gradients of a
@@ -267,12 +224,7 @@ class Monitor(StepLifecycle):
         if not self.clock.active or value is None:
             return
         with self.guard(f"report_{name}"):
-            if not hasattr(value, "shape"):
-                value = float(value)
-                if self.backend is None:  # no framework seen yet: the number is measured on the host
-                    self._find_backend(value)
-                value = self.backend.scalar(value)
-            self.add_tensors([MetricKey("train", name)], [value])
+            self.add_tensors([MetricKey("train", name)], [self._measure.scalar(value)])
 
     def _find_backend(self, tensor: Any) -> None:
         """No backend was given: take the one of the framework `tensor` belongs to (numbers and
@@ -281,14 +233,6 @@ class Monitor(StepLifecycle):
         self._use_framework(numpy_backend if name is None else None, name)
 
     def before_optimizer_step(self, screen: Callable[[StatTable], StatTable] | None = None) -> StepDecision:
-        """At the accumulation boundary, once the gradients are final. When a rule's action needs
-        a decision before the weights change (skip/stop), or the step runs through `run_step`,
-        the step's statistics are transferred and evaluated here. The integration skips the
-        optimizer step when the returned decision says `skip` (always during a replay). A firing
-        `stop` rule makes this flush every writer and raise `TrainingStopped`. `screen`, when
-        given, gets the step's (reduced) table before the rules and returns the table the rules
-        and the record see (e.g. without the gradients of an fp16 overflow step, which the
-        framework skips by itself)."""
         if self.replay.replaying:
             return StepDecision(replaying=True)
         if not (self.clock.active and (self.decide_early or self.replay.call is not None)):
@@ -298,22 +242,14 @@ class Monitor(StepLifecycle):
             decision, made = self.pipeline.decide(screen)
         decision = self.pipeline.agree(decision)
         if decision.stop:
-            self._stop(decision, made)
+            self.pipeline.stop(decision, made)
         return decision
 
-    def _stop(self, decision: StepDecision, made: list[Incident]) -> None:
-        """Flush every writer, then raise `TrainingStopped`."""
-        self.flush()
-        rules = sorted({f.rule for f in decision if f.action == "stop"})
-        raise TrainingStopped(self.clock.step, rules, [incident.directory for incident in made])
-
     def after_optimizer_step(self) -> None:
-        """The framework's optimizer step has run (or was skipped as decided)."""
         if not self.replay.replaying:
             self.clock.optimizer_done = True
 
     def step_end(self, loss: Any = None) -> StepRecord | None:
-        """Close the optimizer step: one transfer, rules, one record to the writer."""
         if self.replay.replaying:
             return None
         for closer in self._closers:
@@ -340,7 +276,6 @@ class Monitor(StepLifecycle):
                 rule.enabled = rule.name not in control.rules_off
 
     def close(self) -> None:
-        """Emit what is still pending, flush every writer and close the sinks."""
         self.drain()
         sinks = self.pipeline.emitter.sinks
         for sink in sinks:
@@ -354,14 +289,9 @@ class Monitor(StepLifecycle):
 
     # ---- state ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The run's state to save with a checkpoint (plain Python types; `torch.save`-able):
-        the step, every rule's running state, open alert episodes and incident counters.
-        Emit pending records first (`drain`) so nothing measured is lost."""
         return save_state(self.pipeline)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned: the run goes on from the saved step with the same
-        rule state (running averages, open episodes) and incident counters."""
         load_state(self.pipeline, state)
 
     def drain(self) -> None:
@@ -401,21 +331,7 @@ class Monitor(StepLifecycle):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---- errors (`hook_errors.HookErrors`) ---------------------------------------
-    def guard(self, where: str) -> Any:
-        """Context manager around a hook body: an error goes to `hook_failed(where, error)`."""
-        return self.errors.guard(where)
-
-    def hook_failed(self, where: str, exc: Exception) -> None:
-        """A hook body at `where` raised `exc`: it is logged once, and `where` joins
-        `monitor.disabled`, which hooks check to switch themselves off (strict mode re-raises).
-        Call it from the `except` clause (what `guard` does, for hot hooks that avoid its cost)."""
-        self.errors.failed(where, exc)
-
-    def warn(self, message: str) -> None:
-        """Log `message` once."""
-        self.errors.warn(message)
-
+    # ---- errors (`hook_errors.HookErrors`; documented in `contract.MonitorPort`) ----
     def warn_unmatched(self, key: str, names: list[str]) -> None:
         if names:
             self.warn(f"{key}: no module named {', '.join(names)}; nothing is watched for them")

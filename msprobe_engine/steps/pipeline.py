@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 import numpy as np
 
 from msprobe_engine.collect.step_rows import StepRows
-from msprobe_engine.incident.actions import StepDecision
+from msprobe_engine.incident.actions import StepDecision, TrainingStopped
 from msprobe_engine.incident.recorder import Incident, IncidentRecorder, StepFacts
 from msprobe_engine.incident.replay import every_statistic
 from msprobe_engine.records import AlertEvent, StepRecord
@@ -136,6 +136,12 @@ class StepPipeline:
         if self.reducer is not None and self.decide_early:
             return self.reducer.agree(decision)
         return decision
+
+    def stop(self, decision: StepDecision, made: list[Incident]) -> None:
+        """A `stop` rule fired: flush every writer, then raise `TrainingStopped`."""
+        self.emitter.flush()
+        rules = sorted({f.rule for f in decision if f.action == "stop"})
+        raise TrainingStopped(self.clock.step, rules, [incident.directory for incident in made])
 
     # ---- emit -------------------------------------------------------------------------------
     def finish(self) -> StepRecord | None:

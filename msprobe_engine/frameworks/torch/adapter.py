@@ -12,7 +12,7 @@ from msprobe_engine.frameworks.torch.optimizer_hooks import OptimizerHooks
 from msprobe_engine.frameworks.torch.replay import TorchReplayHost
 
 if TYPE_CHECKING:
-    from msprobe_engine.monitor import Monitor
+    from msprobe_engine.contract import MonitorPort
 
 
 class TorchFramework:
@@ -23,7 +23,7 @@ class TorchFramework:
     dump_format = "pytorch"
     backend = backend
 
-    def attach(self, monitor: "Monitor", model: Any, optimizer: Any) -> list[Any]:
+    def attach(self, monitor: "MonitorPort", model: Any, optimizer: Any) -> list[Any]:
         """Module hooks on `model`, pre/post-step hooks on `optimizer`; the CPU kernel built (or loaded)
         now for a model with CPU parameters, not in the first monitored step."""
         if any(p.is_cpu for p in model.parameters()):

@@ -1,0 +1,67 @@
+"""Measuring a step's tensors on their device: the rows wait for the step's one host transfer."""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Callable, Sequence
+
+from msprobe_engine.control import ControlFile
+from msprobe_engine.stats import divide
+from msprobe_engine.stats.table import MetricKey
+from msprobe_engine.steps.clock import StepClock
+from msprobe_engine.steps.pipeline import StepPipeline
+
+
+class Measurer:
+    """Hands tensors to the backend and their rows to `pipeline.rows`. `find_backend(tensor)`
+    sets the pipeline's backend when none is known yet; `tensor_meta` (None: incidents off)
+    gets (dtype, shape, requires_grad) of each tensor measured, by key."""
+
+    def __init__(self, clock: StepClock, pipeline: StepPipeline, control: ControlFile | None, count_zeros: bool,
+                 tensor_meta: dict[MetricKey, tuple] | None, find_backend: Callable[[Any], None]) -> None:
+        self.clock = clock
+        self.pipeline = pipeline
+        self.control = control
+        self.count_zeros = count_zeros
+        self.tensor_meta = tensor_meta
+        self.find_backend = find_backend
+
+    def add(self, keys: Sequence[MetricKey], tensors: Sequence[Any], divisor: float = 1.0, *,
+            same: Sequence[MetricKey | None] = ()) -> None:
+        """`Monitor.add_tensors` (see `contract.StepLifecycle.add_tensors`)."""
+        if not (self.clock.active and tensors):
+            return
+        rows_waiting = self.pipeline.rows
+        if self.control is not None and self.control.current.muted:
+            keys, tensors, same = self.control.unmuted(keys, tensors, same, rows_waiting.last)
+            if not tensors:
+                return
+        if self.pipeline.backend is None:
+            self.find_backend(tensors[0])
+        backend, started = self.pipeline.backend, time.perf_counter()
+        measured = [t for t, prior in zip(tensors, same) if prior is None] if same else tensors
+        if not measured:
+            rows = None
+        elif divisor == 1.0:  # packed into rows with the step's others, at the transfer
+            rows = backend.partial_stats(measured, count_zeros=self.count_zeros, deferred=True)
+        else:
+            rows = divide(backend.partial_stats(measured, count_zeros=self.count_zeros), divisor)
+        if len(measured) < len(tensors):
+            own = dict(zip([key for key, prior in zip(keys, same) if prior is None],
+                           zip(itertools.repeat(rows), itertools.count())))
+            rows = backend.pick([own[key] if prior is None else own.get(prior) or rows_waiting.last[prior]
+                                 for key, prior in zip(keys, same)])
+        if self.tensor_meta is not None:
+            self.tensor_meta.update((key, (t.dtype, t.shape, getattr(t, "requires_grad", False)))
+                                    for key, t in zip(keys, tensors))
+        rows_waiting.add(self.clock.step, keys, rows, remember=bool(same), seconds=time.perf_counter() - started,
+                         measured=len(measured))
+
+    def scalar(self, value: Any) -> Any:
+        """A training scalar (a tensor or a number) as something the backend measures."""
+        if hasattr(value, "shape"):
+            return value
+        value = float(value)
+        if self.pipeline.backend is None:  # no framework seen yet: the number is measured on the host
+            self.find_backend(value)
+        return self.pipeline.backend.scalar(value)
