@@ -84,8 +84,8 @@ class Registry(Generic[T]):
 @dataclass(frozen=True)
 class FrameworkEntry:
     """What the core knows of a framework before importing it: `module` holds its `FRAMEWORK`
-    (a `contract.Framework`), `packages` are the top-level packages its models' and tensors'
-    classes come from, `dump_format` is the `framework` field of its dumps (the predecessor's
+    (a `contract.Framework`), `packages` are the packages its models' and tensors' classes come
+    from, `dump_format` is the `framework` field of its dumps (the predecessor's
     name: "pytorch" for torch), `tensor_suffix` the suffix of the tensor files it loads
     (`Framework.load_tensor_file`; None: its dumps hold numpy files) and `precheck` whether it
     replays recorded API calls (`Framework.precheck`, the `run_ut` verb)."""
@@ -110,7 +110,7 @@ def register_framework(name: str, module: str, *, packages: tuple[str, ...] | No
     """Make the framework implemented in `module` (a module path, imported on first use)
     known as `name`. The module has a top-level `FRAMEWORK` object (see
     `msprobe_engine.contract.Framework`) whose `name` is `name` and whose `dump_format` is
-    `dump_format`; `packages` (default: `name`) are the top-level packages of its classes
+    `dump_format`; `packages` (default: `name`) are the packages of its classes
     (see `FrameworkEntry` for the rest)."""
     _FRAMEWORKS[name] = FrameworkEntry(module, tuple(packages or (name,)), dump_format or name, tensor_suffix,
                                        precheck)
@@ -147,6 +147,7 @@ def framework_of(obj: Any) -> str | None:
     modules = [obj.__name__] if isinstance(obj, types.ModuleType) else [k.__module__ or "" for k in type(obj).__mro__]
     for module in modules:
         for name, entry in _FRAMEWORKS.items():
-            if module.split(".", 1)[0] in entry.packages or module.startswith(entry.module.rsplit(".", 1)[0] + "."):
+            if any(module == package or module.startswith(package + ".")
+                   for package in (*entry.packages, entry.module.rsplit(".", 1)[0])):
                 return name
     return None

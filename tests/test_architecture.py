@@ -172,3 +172,44 @@ def test_a_monitor_without_a_framework_measures_numbers(tmp_path):
     monitor.close()
     assert records[0].metrics["train/loss"] == 0.5
     assert [(e.rule, e.phase) for e in monitor.alert_log] == [("non_finite", "start")]
+
+
+def test_a_framework_from_outside_the_package(tmp_path):
+    """A framework registered by a user's module (`tests/plugins/toy_framework/`, named in
+    `plugins:`): `Monitor.attach` picks it from the model's classes, measures with its backend,
+    skips its optimizer step on a nan, and its incidents' dump says its own dump format."""
+    import numpy as np
+
+    from msprobe_engine.dump import load_dump
+    from msprobe_engine.registry import framework_entry
+
+    config = {"plugins": ["tests.plugins.toy_framework"], "output_dir": str(tmp_path), "strict": True,
+              "stats": ["norm", "max", "nan_count"], "sinks": ["jsonl"], "watch": {"params": True},
+              "alerts": [{"rule": "non_finite", "action": "skip"}]}
+    monitor = Monitor(config)
+    from tests.plugins.toy_framework import backend as toy_backend
+    from tests.plugins.toy_framework.model import SGD, Model, Tensor
+
+    model = Model()
+    opt = SGD(model)
+    monitor.attach(model, opt)
+    assert monitor.backend is toy_backend and framework_entry("toy").dump_format == "mindspore"
+    weights = []
+    for step in range(3):
+        x = np.ones((2, 3), np.float32) * (float("nan") if step == 1 else 1.0)
+        y = model(Tensor(x))
+        grads = model.backward(y)
+        weights.append({n: w.data.copy() for n, w in model.weights.items()})
+        opt.step(grads)
+        monitor.step_end(float(np.mean(y.data ** 2)))
+        if step == 0:
+            first = (float(np.linalg.norm(y.data)), float(np.linalg.norm(grads["fc0"].data)))
+    monitor.close()
+    metrics = monitor.history[0].metrics  # (a skip rule decides early: records come with the next transfer)
+    assert (metrics["actv/fc1/output/norm"], metrics["grad/fc0.weight/norm"]) == pytest.approx(first)
+    after_skip = {n: w.data for n, w in model.weights.items()}
+    assert all(np.array_equal(weights[1][n], weights[2][n]) for n in after_skip)  # step 1 was skipped
+    assert [(e.rule, e.phase, e.step) for e in monitor.alert_log][:1] == [("non_finite", "start", 1)]
+    dump = load_dump(tmp_path / "incidents" / "step1-rank0-non_finite" / "dump")
+    assert [d.framework for d in dump.values()] == ["mindspore"]
+    assert not model.forward_hooks and not opt.pre_hooks  # close removed the hooks
