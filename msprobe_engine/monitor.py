@@ -22,22 +22,22 @@ from __future__ import annotations
 
 import operator
 import os
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from msprobe_engine.config import ConfigSource, MonitorConfig, load_config
-from msprobe_engine.contract import StepCloser, StepLifecycle
+from msprobe_engine.contract import StepLifecycle
 from msprobe_engine.control import Control, ControlFile
 from msprobe_engine.health import HealthMeter
 from msprobe_engine.hook_errors import HookErrors
-from msprobe_engine.handles import Handles, Removable
+from msprobe_engine.handles import Removable
 from msprobe_engine.incident.actions import StepDecision
 from msprobe_engine.incident.graph import HIDDEN_KINDS, CallGraph
 from msprobe_engine.incident.recorder import IncidentContext, IncidentRecorder, StepFacts
 from msprobe_engine.reducer import Reducer
 from msprobe_engine.records import StepRecord
-from msprobe_engine.registry import framework_names, framework_of, load_framework
+from msprobe_engine.registry import framework_of
 from msprobe_engine.rules import build_rules
-from msprobe_engine.stats import numpy_backend, optional_columns
+from msprobe_engine.stats import optional_columns
 from msprobe_engine.stats.metrics import MetricNamer
 from msprobe_engine.stats.table import MetricKey, StatTable
 from msprobe_engine.steps.clock import StepClock
@@ -47,6 +47,7 @@ from msprobe_engine.steps.outputs import open_outputs
 from msprobe_engine.steps.pipeline import StepPipeline
 from msprobe_engine.steps.replay import ReplayDriver, replayable
 from msprobe_engine.steps.state import load_state, save_state
+from msprobe_engine.steps.wiring import Wiring
 
 
 #: the dump format of incidents before any framework is seen (numbers measured on the host)
@@ -91,7 +92,6 @@ class Monitor(StepLifecycle):
         metrics = MetricNamer(config.stats, "ratio" in config.watch.optimizer_state, HIDDEN_KINDS)
         #: the live control file (docs/control.md), polled at step boundaries
         self.control = ControlFile.of(config, [rule.name for rule in self._rules])
-        self._attachments, self._closers = Handles(), list[StepCloser]()
         outputs = open_outputs(config, self.rank, writes)
         #: <output_dir>/<run name>/ and this rank's directory in it (`run_dir`); the writer thread
         self.run, self.run_dir, self.writer = outputs.run, outputs.run.rank_dir, outputs.writer
@@ -116,10 +116,14 @@ class Monitor(StepLifecycle):
         #: the measured rows waiting for the step's one host transfer (`collect/step_rows.py`)
         self.rows = self.pipeline.rows
         self.decide_early = self.pipeline.decide_early
-        self._use_framework(backend, framework_of(backend) if backend is not None else None)
+        self.wiring = Wiring(self.pipeline, self.incidents, self.replay)
+        self.wiring.use_framework(backend, framework_of(backend) if backend is not None else None)
+        #: hooks installed for this monitor (objects with `remove()`), removed by `detach`/`close`
+        self.add_attachment, self.add_step_closer, self.detach = self.wiring.add, self.wiring.add_closer, \
+            self.wiring.remove
         self._measure = Measurer(self.clock, self.pipeline, self.control,
                                  "zero_count" in optional_columns(config.stats),
-                                 self.tensor_meta if self.incidents is not None else None, self._find_backend)
+                                 self.tensor_meta if self.incidents is not None else None, self.wiring.find_backend)
         #: `StepLifecycle.add_tensors`, the hot path: the measurer's own method, no call in between
         self.add_tensors = self._measure.add
         saved = self.run.saved_state()
@@ -142,50 +146,17 @@ class Monitor(StepLifecycle):
                        settable=False)
     _warned = _part("errors", "warned", "The warnings given so far.", settable=False)
 
-    # ---- wiring -----------------------------------------------------------------
+    # ---- wiring (`steps/wiring.py`) ------------------------------------------------
     def attach(self, model: Any, optimizer: Any = None) -> "Monitor":
         """Hook a model (and its optimizer) into this monitor, through the framework its
         classes come from (`registry.framework_of`: torch.nn.Module -> torch)."""
-        name = framework_of(model)
-        if name is None:
-            raise TypeError(f"Monitor.attach: {type(model).__module__}.{type(model).__name__} is not a model of "
-                            f"a registered framework ({', '.join(framework_names())})")
-        framework = self._use_framework(self.backend, name)
-        self.add_attachment(*framework.attach(self, model, optimizer))
-        if self.replay.host is None:
-            self.replay.host = framework.replay_host()
-        if self.replay.host is not None:
-            self.replay.host.models.append(model)
+        self.wiring.attach(self, model, optimizer)
         return self
-
-    def _use_framework(self, backend: Any, name: str | None) -> Any:
-        """Measure with `backend` (by default framework `name`'s); incidents write dump.json in
-        the dump format of the framework (`Framework.dump_format`). Returns the framework."""
-        framework = load_framework(name) if name is not None else None
-        self.pipeline.backend = backend or (framework.backend if framework is not None else None)
-        if self.incidents is not None and framework is not None:
-            self.incidents.context.framework = framework.dump_format
-        return framework
-
-    def add_attachment(self, *attachments: Removable) -> None:
-        """Hooks an integration installed for this monitor (objects with `remove()`), removed
-        by `detach`/`close`."""
-        self._attachments.handles += attachments
 
     @property
     def attachments(self) -> tuple[Removable, ...]:
         """What `attach` and the integration installed (`add_attachment`), in that order."""
-        return tuple(self._attachments.handles)
-
-    def add_step_closer(self, closer: StepCloser) -> None:
-        """`closer.close_step(loss)` runs first in each `step_end`, `closer.step_closed()` last
-        (a framework measuring a step's tensors together at its end)."""
-        self._closers.append(closer)
-
-    def detach(self) -> None:
-        """Remove every hook installed for this monitor."""
-        self._attachments.remove()
-        self._closers.clear()
+        return tuple(self.wiring.attachments.handles)
 
     def forgo_replay(self, reason: str) -> None:
         """Replay no step (an integration whose steps cannot be replayed on one rank alone); warns once."""
@@ -226,12 +197,6 @@ class Monitor(StepLifecycle):
         with self.guard(f"report_{name}"):
             self.add_tensors([MetricKey("train", name)], [self._measure.scalar(value)])
 
-    def _find_backend(self, tensor: Any) -> None:
-        """No backend was given: take the one of the framework `tensor` belongs to (numbers and
-        numpy arrays: the host backend)."""
-        name = framework_of(tensor)
-        self._use_framework(numpy_backend if name is None else None, name)
-
     def before_optimizer_step(self, screen: Callable[[StatTable], StatTable] | None = None) -> StepDecision:
         if self.replay.replaying:
             return StepDecision(replaying=True)
@@ -252,7 +217,7 @@ class Monitor(StepLifecycle):
     def step_end(self, loss: Any = None) -> StepRecord | None:
         if self.replay.replaying:
             return None
-        for closer in self._closers:
+        for closer in self.wiring.closers:
             loss = closer.close_step(loss)
         self.report_loss(loss)
         record = None
@@ -263,7 +228,7 @@ class Monitor(StepLifecycle):
         if self.control is not None:
             with self.guard("control file"):
                 self._apply(self.control.poll(self.writer, self.clock.step))
-        for closer in self._closers:
+        for closer in self.wiring.closers:
             closer.step_closed()
         return record
 
