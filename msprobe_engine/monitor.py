@@ -55,11 +55,11 @@ DEFAULT_DUMP_FORMAT = "pytorch"
 
 
 def _part(part: str, name: str, doc: str, settable: bool = True) -> property:
-    """An attribute of the monitor that lives in one of its parts (`part`: a dotted path)."""
-    def owner(monitor: "Monitor") -> Any:
-        return operator.attrgetter(part)(monitor)
+    """An attribute of the monitor that lives in one of its parts (`part`: a dotted path); read
+    through one C-level getter (hooks read `active` on every call)."""
+    owner = operator.attrgetter(part)
     setter = (lambda monitor, value: setattr(owner(monitor), name, value)) if settable else None
-    return property(lambda monitor: getattr(owner(monitor), name), setter, doc=doc)
+    return property(operator.attrgetter(f"{part}.{name}"), setter, doc=doc)
 
 
 class Monitor(StepLifecycle):
