@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -16,6 +17,8 @@ import tests.plugins.lines_sink  # noqa: F401  (registers the user's components,
 import tests.plugins.loss_above_rule  # noqa: F401
 import tests.plugins.rms_statistic  # noqa: F401
 from msprobe_engine import ConfigError, Monitor, load_config
+from msprobe_engine.dump import load_dump
+from msprobe_engine.registry import framework_entry
 from msprobe_integrations.torch import TorchMonitor
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -178,15 +181,10 @@ def test_a_framework_from_outside_the_package(tmp_path):
     """A framework registered by a user's module (`tests/plugins/toy_framework/`, named in
     `plugins:`): `Monitor.attach` picks it from the model's classes, measures with its backend,
     skips its optimizer step on a nan, and its incidents' dump says its own dump format."""
-    import numpy as np
-
-    from msprobe_engine.dump import load_dump
-    from msprobe_engine.registry import framework_entry
-
     config = {"plugins": ["tests.plugins.toy_framework"], "output_dir": str(tmp_path), "strict": True,
               "stats": ["norm", "max", "nan_count"], "sinks": ["jsonl"], "watch": {"params": True},
               "alerts": [{"rule": "non_finite", "action": "skip"}]}
-    monitor = Monitor(config)
+    monitor = Monitor(config)  # imports the plugin: the framework is registered from here on
     from tests.plugins.toy_framework import backend as toy_backend
     from tests.plugins.toy_framework.model import SGD, Model, Tensor
 
