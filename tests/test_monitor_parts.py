@@ -94,3 +94,14 @@ def test_step_closers_run_around_each_step_end_until_detached(tmp_path):
     monitor.close()
     assert record.metrics["train/loss"] == 10.0  # the loss the closer returned is the one reported
     assert closer.calls == ["close 1.0", "closed"]
+
+
+@pytest.mark.parametrize("name", ["torch", "mindspore"])
+def test_a_framework_object_says_what_its_registration_says(name):
+    """One name per framework: the registry's key is the object's `name`, and the dump format
+    its incidents write is the object's `dump_format` (torch: "pytorch", the predecessor's)."""
+    from msprobe_engine.registry import framework_entry, load_framework
+
+    framework, entry = load_framework(name), framework_entry(name)
+    assert (framework.name, framework.dump_format) == (name, entry.dump_format)
+    assert (framework.precheck() is not None) == entry.precheck
