@@ -36,7 +36,7 @@ import numpy as np
 
 from msprobe_engine.config.errors import ConfigError
 from msprobe_engine.dump.session import DumpSession, check_names
-from msprobe_engine.dump.tasks import require_support
+from msprobe_engine.dump.task import require_support
 from msprobe_engine.dump.writer import TENSOR_TASKS, array_crc32
 
 log = logging.getLogger("msprobe_engine")

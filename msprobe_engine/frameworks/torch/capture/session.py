@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from msprobe_engine.config.errors import ConfigError
 from msprobe_engine.dump.session import DumpSession, check_names
-from msprobe_engine.dump.tasks import require_support
+from msprobe_engine.dump.task import require_support
 from msprobe_engine.dump.writer import TENSOR_TASKS
 from msprobe_engine.frameworks.torch import backend as torch_backend
 from msprobe_engine.frameworks.torch.capture.api import ApiCatalog, ApiMode, push_mode, remove_mode
