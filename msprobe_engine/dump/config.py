@@ -138,6 +138,11 @@ class DumpConfig:
                               f"(ranks 0-{world_size - 1})")
 
 
+def is_dump_config(data: dict) -> bool:
+    """A config file's top level is a dump config's (it names a task or a dump_path), not a monitor's."""
+    return "task" in data or "dump_path" in data
+
+
 def load_dump_config(source: DumpConfigSource = None, **overrides: Any) -> DumpConfig:
     """Build a `DumpConfig` from a config.json/.yaml path, a dict or a DumpConfig.
 

@@ -38,6 +38,10 @@ class OverflowCellRecorder(CellRecorder):
         self.overflows: list[tuple[int, str]] = []
         self.step_number = 0
 
+    @property
+    def results(self) -> list:
+        return self.overflows
+
     def _reset(self) -> None:
         super()._reset()
         self._held = []

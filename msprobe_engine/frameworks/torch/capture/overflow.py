@@ -26,6 +26,10 @@ class OverflowRecorder(HeldTensorsRecorder):
         super().__init__(*args, **kwargs)
         self.overflows: list[tuple[int, str]] = []
 
+    @property
+    def results(self) -> list:
+        return self.overflows
+
     def choose(self, step: int, data: StepData, held: list) -> tuple[list[str], dict[str, Any] | None]:
         limit = self.config.options.overflow_nums
         names = overflowing(data.entries, data.host_rows, limit)
