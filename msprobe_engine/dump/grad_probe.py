@@ -6,11 +6,11 @@ from __future__ import annotations
 from functools import partial
 from typing import Callable
 
-import numpy as np
 
 from msprobe_engine.dump.grad_probe_files import GradRows, write_grad_step
 from msprobe_engine.dump.recorder import DumpRecorder, RecorderContext
 from msprobe_engine.dump.writer import StepData
+from msprobe_engine.stats import empty_rows
 
 
 class GradProbeRecorder(DumpRecorder):
@@ -28,7 +28,7 @@ class GradProbeRecorder(DumpRecorder):
 
     def finish_step(self) -> StepData:
         """The session's step end: grad_probe writes at optimizer steps, nothing here."""
-        return StepData({}, {}, None, np.empty((0, 8)), write_empty=False)
+        return StepData({}, {}, None, empty_rows(), write_empty=False)
 
     def _next_step(self) -> int | None:
         """Count an optimizer step: its number when this step and rank are probed, else None."""

@@ -10,7 +10,7 @@ from msprobe_engine.dump.step_filter import iter_slots, keep_entries
 from msprobe_engine.dump.task import DumpTask, FullSelection, register_task
 from msprobe_engine.dump.writer import StepData
 from msprobe_engine.frameworks.torch.capture.recorder import Recorder
-from msprobe_engine.stats import COLUMN
+from msprobe_engine.stats import P_MAX, P_MIN
 
 
 @register_task("big_values")
@@ -30,7 +30,7 @@ class BigValuesRecorder(Recorder):
         rows = np.asarray(data.host_rows, dtype=np.float64)
         if not len(rows):
             return keep_entries(data, [])
-        largest = np.maximum(np.abs(rows[:, COLUMN["max"]]), np.abs(rows[:, COLUMN["min"]]))
+        largest = np.maximum(np.abs(rows[:, P_MAX]), np.abs(rows[:, P_MIN]))
         big = [name for name, skeleton in data.entries.items()
                if any(0 <= s.row < len(rows) and largest[s.row] > self.options.threshold for s in iter_slots(skeleton))]
         return keep_entries(data, big)

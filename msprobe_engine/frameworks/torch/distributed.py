@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from msprobe_engine.stats.columns import MAX_COLUMNS, MIN_COLUMNS
+from msprobe_engine.stats.columns import merge_indices
 from msprobe_engine.stats.table import MetricKey
 
 if TYPE_CHECKING:
@@ -109,8 +109,9 @@ def layout_checksum(keys: Sequence[MetricKey]) -> int:
 def merge_stacked(stacked: torch.Tensor) -> torch.Tensor:
     """Merge ``[n, k, N_COLUMNS]`` partial rows along the first axis (`stats.columns`' merge)."""
     merged = stacked.sum(dim=0)
-    merged[:, MIN_COLUMNS] = stacked[:, :, MIN_COLUMNS].amin(dim=0)
-    merged[:, MAX_COLUMNS] = stacked[:, :, MAX_COLUMNS].amax(dim=0)
+    for kind, reduce in (("min", torch.amin), ("max", torch.amax)):
+        at = merge_indices(kind)
+        merged[:, at] = reduce(stacked[:, :, at], dim=0)
     return merged
 
 

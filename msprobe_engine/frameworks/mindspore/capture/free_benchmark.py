@@ -30,7 +30,6 @@ import contextlib
 from typing import Any, Callable
 
 import mindspore as ms
-import numpy as np
 from mindspore import Tensor, ops
 
 from msprobe_engine.dump.free_benchmark import FreeBenchmarkRecorder
@@ -38,6 +37,7 @@ from msprobe_engine.dump.free_benchmark_files import NOISE as NOISE_BY_NAME, Com
 from msprobe_engine.dump.recorder import RecorderContext
 from msprobe_engine.dump.writer import StepData
 from msprobe_engine.frameworks.mindspore.capture.gated import GatedRecorder
+from msprobe_engine.stats import empty_rows
 
 #: the CSV's header on MindSpore (the predecessor's MindSpore side calls pert_mode "pert_type")
 HEADER = ("rank", "pert_type", "stage", "step", "api_name", "max_rel", "dtype", "shape", "output_index")
@@ -254,7 +254,7 @@ class MindSporeFreeBenchmark(FreeBenchmarkRecorder, GatedRecorder):
                 ratios = ops.stack([r for _, r in pending]).asnumpy()
                 self.transfers += 1
                 self._submit(step, [c for c, _ in pending], ratios.tolist(), HEADER)
-        return StepData({}, {}, None, np.empty((0, 8)), write_empty=False)
+        return StepData({}, {}, None, empty_rows(), write_empty=False)
 
 
 def _input_grads(func: Callable, args: tuple, kwargs: dict, positions: list[int]) -> list[Any]:

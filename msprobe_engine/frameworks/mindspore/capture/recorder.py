@@ -29,6 +29,7 @@ from msprobe_engine.dump.recorder import RecorderContext
 from msprobe_engine.dump.select import Selection
 from msprobe_engine.dump.writer import Frames, StepData
 from msprobe_engine.frameworks.mindspore.capture.gated import GatedRecorder
+from msprobe_engine.stats import empty_rows
 
 log = logging.getLogger("msprobe_engine")
 
@@ -137,7 +138,7 @@ class CellRecorder(GatedRecorder):
         try:
             with self._guard("step end"):
                 self.flush()
-            host = np.empty((0, 8))
+            host = empty_rows()
             if self._blocks:
                 host = self.backend.to_host(self.backend.concat(self._blocks))
                 self.transfers += 1

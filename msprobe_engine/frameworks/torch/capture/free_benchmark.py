@@ -40,6 +40,7 @@ from msprobe_engine.dump.recorder import RecorderContext
 from msprobe_engine.dump.writer import StepData
 from msprobe_engine.frameworks.torch.capture.api import ApiCatalog
 from msprobe_engine.frameworks.torch.capture.backward import in_backward
+from msprobe_engine.stats import empty_rows
 
 HIGHER = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float64}
 BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
@@ -276,7 +277,7 @@ class FreeBenchmark(FreeBenchmarkRecorder):
                 ratios = torch.stack([p[-1].to("cpu") for p in pending]).numpy()
             self.transfers += 1
             self._judge(step, pending, ratios)
-        return StepData({}, {}, None, np.empty((0, 8)), write_empty=False)
+        return StepData({}, {}, None, empty_rows(), write_empty=False)
 
     def _judge(self, step: int, pending: list, ratios: np.ndarray) -> None:
         compared = [Compared(name, stage, dtype, f"torch.{dtype}", shape, index)
