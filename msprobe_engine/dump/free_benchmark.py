@@ -5,11 +5,22 @@ recorder intercepts the API calls, perturbs and compares (PyTorch:
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from msprobe_engine.dump.free_benchmark_files import Compared, Judge, ResultRow, write_results
 from msprobe_engine.dump.recorder import DumpRecorder, RecorderContext
 from msprobe_engine.dump.select import Selection
+
+
+def map_tensors(value: Any, tensor_type: type, fn: Callable[[Any], Any]) -> Any:
+    """`value` with every `tensor_type` in it (also inside lists, tuples and dicts) replaced by `fn(tensor)`."""
+    if isinstance(value, tensor_type):
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(map_tensors(v, tensor_type, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: map_tensors(v, tensor_type, fn) for k, v in value.items()}
+    return value
 
 
 class FreeBenchmarkRecorder(DumpRecorder):

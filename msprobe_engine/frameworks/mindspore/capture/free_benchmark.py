@@ -32,7 +32,7 @@ from typing import Any, Callable
 import mindspore as ms
 from mindspore import Tensor, ops
 
-from msprobe_engine.dump.free_benchmark import FreeBenchmarkRecorder
+from msprobe_engine.dump.free_benchmark import FreeBenchmarkRecorder, map_tensors
 from msprobe_engine.dump.free_benchmark_files import NOISE as NOISE_BY_NAME, Compared, tolerance
 from msprobe_engine.dump.recorder import RecorderContext
 from msprobe_engine.dump.writer import StepData
@@ -63,13 +63,7 @@ def _floating(t: Any) -> bool:
 
 
 def _map(value: Any, fn: Callable[[Tensor], Tensor]) -> Any:
-    if isinstance(value, Tensor):
-        return fn(value)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_map(v, fn) for v in value)
-    if isinstance(value, dict):
-        return {k: _map(v, fn) for k, v in value.items()}
-    return value
+    return map_tensors(value, Tensor, fn)
 
 
 def _target(args: tuple) -> int:

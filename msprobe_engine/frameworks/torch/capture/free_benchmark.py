@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from msprobe_engine.dump.free_benchmark import FreeBenchmarkRecorder
+from msprobe_engine.dump.free_benchmark import FreeBenchmarkRecorder, map_tensors
 from msprobe_engine.dump.free_benchmark_files import NOISE as NOISE_BY_NAME
 from msprobe_engine.dump.free_benchmark_files import Compared, tolerance
 from msprobe_engine.dump.recorder import RecorderContext
@@ -53,13 +53,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_map(v, fn) for v in value)
-    if isinstance(value, dict):
-        return {k: _map(v, fn) for k, v in value.items()}
-    return value
+    return map_tensors(value, torch.Tensor, fn)
 
 
 def _tensors_in(value: Any) -> list[torch.Tensor]:
