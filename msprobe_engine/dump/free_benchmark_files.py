@@ -77,7 +77,7 @@ class Judge:
     With ``if_preheat`` the first ``preheat_step`` steps only sample (at most ``max_sample``
     outputs per API) and each API's threshold becomes the largest of its dtype threshold and
     the ratios sampled."""
-    options: Any                      # FreeBenchmarkOptions
+    options: Any                      # the free_benchmark task's Config (`dump.tasks.FreeBenchmark.Config`)
     rank: int | None                  # what the rank column shows
     failed: list[ResultRow] = field(default_factory=list)   # every failing output so far
     compared: int = 0                 # outputs judged so far (not counting preheat samples)
