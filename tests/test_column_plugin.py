@@ -4,6 +4,7 @@ process: a registered column widens every row of the process that registers it."
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -59,3 +60,33 @@ def test_a_column_and_its_statistic_from_a_plugin(tmp_path):
         assert metrics[f"{prefix}absmax"] == pytest.approx(max(abs(metrics[f"{prefix}max"]),
                                                                abs(metrics[f"{prefix}min"])))
     assert out["builtin_same"]
+
+
+MINDSPORE_CHILD = r"""
+import json
+import numpy as np
+import mindspore as ms
+from mindspore import Tensor, ops
+from msprobe_engine.frameworks.mindspore import backend
+from msprobe_engine.stats import PartialColumn, columns, register_column
+
+register_column(PartialColumn("absmax", 0.0, "max"), mindspore=lambda flat: ops.abs(flat).max())
+register_column(PartialColumn("no_reducer", 0.0, "sum"))
+arrays = [np.array([-7.0, 2.0, 0.0], np.float32), np.arange(6, dtype=np.float32).reshape(2, 3), np.zeros(0, np.float32)]
+rows = backend.to_host(backend.partial_stats([Tensor(a) for a in arrays]))
+print(json.dumps({"shape": list(rows.shape), "absmax": rows[:, columns.index("absmax")].tolist(),
+                  "no_reducer": rows[:, columns.index("no_reducer")].tolist()}))
+"""
+
+
+def test_a_registered_column_on_the_mindspore_backend(tmp_path):
+    """Its `mindspore` reducer measures it after the compiled graph's built-in columns; a column
+    without a reducer there is nan (an empty tensor: the identity)."""
+    child = subprocess.run([sys.executable, "-c", MINDSPORE_CHILD], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    out = json.loads(child.stdout.strip().splitlines()[-1])
+    assert out["shape"] == [3, 10]
+    assert out["absmax"] == [7.0, 5.0, 0.0]
+    assert all(math.isnan(v) for v in out["no_reducer"][:2])
+    assert out["no_reducer"][2] == 0.0
