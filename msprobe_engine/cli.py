@@ -194,7 +194,8 @@ def _unreachable(config: Any, spec: str) -> list[str]:
 
 
 def _check_config_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", help="a monitor config (.yaml, .yml or .json)")
+    p.add_argument("config", help="a monitor config (.yaml, .yml or .json), or a dump config (one with a "
+                                  "'task' or 'dump_path' key: the predecessor's config.json)")
     p.add_argument("--model", metavar="MODULE:FACTORY",
                    help="a function returning the model (or a tuple starting with it), called with no "
                         "arguments: warn about rules whose metrics match no tag of that model")
@@ -203,9 +204,14 @@ def _check_config_arguments(p: argparse.ArgumentParser) -> None:
 def _check_config_run(args: argparse.Namespace) -> int:
     """Every problem of the config on its own line (exit 1), or ok plus warnings (exit 0)."""
     from msprobe_engine.config import ConfigError, load_config
-    from msprobe_engine.config.loader import problems
+    from msprobe_engine.config.loader import problems, read_file
+    from msprobe_engine.dump.config import is_dump_config, load_dump_config
 
     try:
+        if is_dump_config(read_file(Path(args.config))):
+            dump = load_dump_config(args.config)
+            print(f"{args.config}: ok; dump task={dump.task}, level={dump.level}, dump_path={dump.dump_path}")
+            return 0
         config = load_config(args.config)
     except ConfigError as exc:
         errors = problems(exc)

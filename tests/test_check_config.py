@@ -58,3 +58,25 @@ def test_rules_that_match_no_tag_of_the_model_are_warned_about(tmp_path, capsys)
     assert "'train/los'" in warnings[0] and "3 warning(s)" not in captured.out and "2 warning(s)" in captured.out
     assert main(["check-config", str(ROOT / "configs" / "full.yaml"), "--model", "health_models:build"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_a_dump_config_is_checked_as_one_every_error_naming_its_key(tmp_path, capsys):
+    """The predecessor's config.json (a `task`/`dump_path` key) is validated as a dump config."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"task": "overflow_check", "dump_path": str(tmp_path / "d"), "levle": "L1",
+                                "step": ["6-4"], "queue_size": 0,
+                                "overflow_check": {"overflow_nums": 0, "check_mod": "all"}}))
+    assert main(["check-config", str(path)]) == 1
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert [e.split(": ")[2].split("[")[0] for e in errors] == [
+        "levle", "step", "queue_size", "overflow_check.check_mod", "overflow_check.overflow_nums"], err
+    assert "levle: unknown key (did you mean 'level'?)" in errors[0]
+    assert f"{path}: 5 errors" in err
+
+
+def test_a_good_dump_config_says_what_it_dumps(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"task": "tensor", "dump_path": str(tmp_path / "d"), "level": "mix"}))
+    assert main(["check-config", str(path)]) == 0
+    assert "ok; dump task=tensor, level=mix" in capsys.readouterr().out

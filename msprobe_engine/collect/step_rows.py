@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from msprobe_engine.stats import empty_rows
+from msprobe_engine.stats.columns import builtin_row
 from msprobe_engine.stats.table import MetricKey, StatTable
 
 #: the monitor's own cost, one row each in the step's table (docs/overhead.md)
@@ -123,8 +124,9 @@ class StepRows:
 
 
 def _scalar_row(value: float) -> list[float]:
-    """The partial-statistics row of one number (min, max, sum, sum of squares, nan, inf, zeros, numel)."""
-    return [value, value, value, value * value, 0.0, 0.0, float(value == 0), 1.0]
+    """The partial-statistics row of one number."""
+    return builtin_row({"min": value, "max": value, "sum": value, "sumsq": value * value, "nan_count": 0.0,
+                        "inf_count": 0.0, "zero_count": float(value == 0), "numel": 1.0})
 
 
 def _tables_by_step(keys: list[MetricKey], steps: np.ndarray, host: np.ndarray) -> dict[int, StatTable]:

@@ -197,6 +197,8 @@ def _each(items: list, convert: typing.Callable[[Any, str], Any], path: str) -> 
 
 
 def _convert(hint: Any, value: Any, path: str, meta: typing.Mapping) -> Any:
+    if "check" in meta:  # a field that converts and checks its value itself (`fields.checked`)
+        return meta["check"](value, path)
     origin = typing.get_origin(hint)
     if origin is Union:  # Optional[X]
         if value is None:

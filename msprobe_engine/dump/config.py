@@ -8,44 +8,37 @@ Accepted layout (the predecessor's)::
 The section named after the task (``statistics`` or ``tensor``) holds scope/list/data_mode/
 summary_mode; those keys may also be given at the top level. The debugger tasks
 (overflow_check, grad_probe, free_benchmark, diff_check) have their own keys in their section,
-see `msprobe_engine.dump.tasks`. Sections of the predecessor's other tasks are ignored.
+see `msprobe_engine.dump.tasks`; a task from a ``plugins:`` module (`msprobe_engine.dump.task`)
+has its own. Sections of the predecessor's other tasks are ignored.
 ``risk_level`` (the predecessor's key: CORE, FOCUS (its default) or ALL) picks the APIs recorded
 at L1/mix. Our own keys: ``predecessor_format`` (``"26.2"``, the default: ``proc<pid>/``
 directories and names as mindstudio-probe 26.2 writes them; ``"1.x"``: its 1.x spellings,
 ``rank/`` and ``parameters_grad`` without a counter), ``stack`` (write stack.json, on by default
 as in the predecessor), ``queue_size`` and
-``when_full`` (the writer queue), ``strict`` (errors inside hooks raise). Every problem raises
-`ConfigError` naming the key and the value.
+``when_full`` (the writer queue), ``strict`` (errors inside hooks raise), ``plugins`` (modules
+imported first: they register tasks and recorders). The keys are typed fields (`DumpKeys`, each
+task's `Config`) validated by the main config loader: one `ConfigError` lists every problem,
+each naming the key and the value.
 """
 from __future__ import annotations
 
-import difflib
-import json
-import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from msprobe_engine.errors import ConfigError
-from msprobe_engine.config.loader import read_file
-from msprobe_engine.dump.schema import FRAMEWORKS, parse_entry_name
-from msprobe_engine.dump.tasks import TASK_LEVELS, TaskOptions, parse_task_options, section_keys
+from msprobe_engine.fields import choices
+from msprobe_engine.config.loader import ConfigErrors, build_section, import_plugins, problems, read_file
+from msprobe_engine.dump import checks
+from msprobe_engine.dump.checks import checked
+from msprobe_engine.dump.schema import FRAMEWORKS
+from msprobe_engine.dump.task import DUMP_TASKS, LEVELS, DumpTask, FullSelection
 
-TASKS = ("statistics", "tensor")
-LEVELS = ("L0", "L1", "mix")
-DATA_MODES = ("all", "forward", "backward", "input", "output")
-SUMMARY_MODES = ("statistics", "md5", "xor")
 WHEN_FULL = ("wait", "drop")
-#: the debugger tasks of `msprobe_engine.dump.tasks` (overflow_check, grad_probe, free_benchmark, diff_check)
-DEBUGGER_TASKS = tuple(TASK_LEVELS)
 RISK_LEVELS = ("CORE", "FOCUS", "ALL")
 PREDECESSOR_FORMATS = ("26.2", "1.x")
 #: the predecessor's other tasks: their sections are ignored, choosing them is an error
 OTHER_TASKS = ("run_ut", "acc_check", "structure")
-SECTION_KEYS = ("scope", "list", "data_mode", "summary_mode")
-TOP_KEYS = ("task", "dump_path", "rank", "step", "level", "framework", "enable_dataloader", "async_dump",
-            "is_deterministic", "stack", "queue_size", "when_full", "strict", "risk_level",
-            "predecessor_format")
 #: the predecessor's keys this dump has no counterpart for: accepted at these values (its
 #: defaults, or values that change nothing here); any other value is an error saying what to use
 PREDECESSOR_ONLY: dict[str, tuple[tuple, str]] = {
@@ -62,9 +55,46 @@ PREDECESSOR_SECTION_ONLY: dict[str, tuple[tuple, str]] = {
     "bench_path": ((None, ""), "compare two dumps with `msprobe-engine compare`"),
     "tensor_list": ((None, []), "use task 'tensor' with a 'list' of API names"),
 }
-_RANGE_RE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
 
 DumpConfigSource = Union[str, Path, dict, "DumpConfig", None]
+
+
+def _framework(value: Any, path: str) -> str:
+    if value not in FRAMEWORKS:
+        raise ConfigError(f"{path}: {value!r} is not supported; use one of {', '.join(FRAMEWORKS)} "
+                          "(the session's framework decides; this key is only checked)")
+    return value
+
+
+def _predecessor_only(key: str) -> Any:
+    return field(default=None, metadata=checked(checks.accepted_only(*PREDECESSOR_ONLY[key])))
+
+
+@dataclass(kw_only=True, slots=True)
+class DumpKeys(FullSelection):
+    """The top level of a dump config (the selection keys may also stand in the task's section)."""
+    plugins: tuple[str, ...] = field(default=(), metadata=checked(checks.strings))
+    task: str = field(default="statistics", metadata=checked(checks.one_of(DUMP_TASKS.names, OTHER_TASKS)))
+    dump_path: Path = field(metadata=checked(checks.non_empty_path))
+    rank: Optional[frozenset[int]] = field(default=None, metadata=checked(checks.id_list))
+    step: Optional[frozenset[int]] = field(default=None, metadata=checked(checks.id_list))
+    level: str = field(default="L1", metadata=checked(checks.one_of(LEVELS, ("L2",))))
+    framework: str = field(default="pytorch", metadata=checked(_framework))
+    enable_dataloader: bool = field(default=False, metadata=checked(checks.only_false))
+    async_dump: bool = field(default=False, metadata=checked(checks.flag))  # always asynchronous here
+    is_deterministic: bool = field(default=False, metadata=checked(checks.only_false))
+    stack: bool = field(default=True, metadata=checked(checks.flag))
+    queue_size: int = field(default=256, metadata=checked(checks.positive))
+    when_full: str = field(default="wait", metadata=choices(*WHEN_FULL))
+    strict: bool = field(default=False, metadata=checked(checks.flag))
+    risk_level: str = field(default="FOCUS", metadata=checked(checks.one_of(RISK_LEVELS)))
+    predecessor_format: str = field(default="26.2", metadata=checked(checks.one_of(PREDECESSOR_FORMATS,
+                                                                                    convert=str)))
+    precision: Any = _predecessor_only("precision")
+    extra_info: Any = _predecessor_only("extra_info")
+    dump_enable: Any = _predecessor_only("dump_enable")
+    custom_op_namespaces: Any = _predecessor_only("custom_op_namespaces")
+    load: Any = _predecessor_only("load")
 
 
 @dataclass(frozen=True)
@@ -85,8 +115,13 @@ class DumpConfig:
     queue_size: int = 256
     when_full: str = "wait"
     strict: bool = False
-    #: the options of a debugger task (`msprobe_engine.dump.tasks`), None for statistics/tensor
-    options: TaskOptions | None = None
+    #: the task's own section: an instance of its `DumpTask.Config` (selection keys merged in)
+    options: Any = None
+
+    @property
+    def task_class(self) -> type[DumpTask]:
+        """The registered `DumpTask` of `task`."""
+        return DUMP_TASKS.get(self.task, "task")
 
     def wants_step(self, step: int) -> bool:
         return self.steps is None or step in self.steps
@@ -103,10 +138,16 @@ class DumpConfig:
                               f"(ranks 0-{world_size - 1})")
 
 
+def is_dump_config(data: dict) -> bool:
+    """A config file's top level is a dump config's (it names a task or a dump_path), not a monitor's."""
+    return "task" in data or "dump_path" in data
+
+
 def load_dump_config(source: DumpConfigSource = None, **overrides: Any) -> DumpConfig:
     """Build a `DumpConfig` from a config.json/.yaml path, a dict or a DumpConfig.
 
     Keyword overrides use the same keys (``task="tensor"``, ``level="L0"``, ``step=[0]``...).
+    A `ConfigError` lists every problem found (`loader.problems`), each naming the key.
     """
     if isinstance(source, DumpConfig):
         if overrides:
@@ -125,190 +166,83 @@ def load_dump_config(source: DumpConfigSource = None, **overrides: Any) -> DumpC
     try:
         return _build(data)
     except ConfigError as exc:
-        raise ConfigError(f"{origin}: {exc}") from None
+        raise ConfigErrors([f"{origin}: {message}" for message in problems(exc)]) from None
 
 
 def _build(data: dict) -> DumpConfig:
-    task = _choice(data.get("task", "statistics"), "task", TASKS + DEBUGGER_TASKS, OTHER_TASKS)
-    section = _section(data, task)
-    for key in data:
-        if key in PREDECESSOR_ONLY:
-            _predecessor_only(key, data[key], PREDECESSOR_ONLY[key])
-        elif key not in TOP_KEYS and key not in SECTION_KEYS and key not in TASKS + DEBUGGER_TASKS + OTHER_TASKS:
-            _unknown(key, TOP_KEYS + SECTION_KEYS + TASKS + DEBUGGER_TASKS)
-    _reject_unsupported(data)
-    if "dump_path" not in data:
-        raise ConfigError("dump_path: required key is missing")
-    dump_path = data["dump_path"]
-    if not isinstance(dump_path, (str, Path)) or not str(dump_path).strip():
-        raise ConfigError(f"dump_path: expected a non-empty path string, got {dump_path!r}")
-    level = _choice(data.get("level", "L1"), "level", LEVELS, ("L2",))
-    options = _task_options(task, section, level, "level" in data)
+    plugins = data.get("plugins", [])
+    import_plugins(plugins if isinstance(plugins, list) else [])  # they may register the task
+    name = data.get("task", "statistics")
+    sections = set(DUMP_TASKS.names()) | set(OTHER_TASKS)
+    errors: list[str] = []
+    keys = options = None
+    try:
+        keys = build_section(DumpKeys, {k: v for k, v in data.items() if k not in sections}, "")
+    except ConfigError as exc:
+        errors += problems(exc)
+    task = DUMP_TASKS.get(name) if isinstance(name, str) and name in DUMP_TASKS else None
+    section: dict = {}
+    if task is not None:
+        section = data.get(name, {})
+        try:
+            options = _options(task, section, data)
+        except ConfigError as exc:
+            errors += problems(exc)
+    if errors:
+        raise ConfigErrors(errors)
+    options = replace(options, **{k: getattr(keys, k) for k in task.selection_keys() if k in data})
+    _check_across(task, keys, options, section, "level" in data)
     return DumpConfig(
-        dump_path=Path(dump_path), task=task, level=level,
-        ranks=parse_id_list(data.get("rank", []), "rank"),
-        steps=parse_id_list(data.get("step", []), "step"),
-        scope=_scope(section.get("scope", []), level),
-        api_list=tuple(_strings(section.get("list", []), "list")),
-        data_mode=_data_mode(section.get("data_mode", ["all"])),
-        summary_mode=_choice(section.get("summary_mode", "statistics"), "summary_mode", SUMMARY_MODES),
-        stack=_bool(data.get("stack", True), "stack"),
-        risk_level=_choice(data.get("risk_level", "FOCUS"), "risk_level", RISK_LEVELS),
-        predecessor_format=_choice(str(data.get("predecessor_format", "26.2")), "predecessor_format",
-                                   PREDECESSOR_FORMATS),
-        queue_size=_positive(data.get("queue_size", 256), "queue_size"),
-        when_full=_choice(data.get("when_full", "wait"), "when_full", WHEN_FULL),
-        strict=_bool(data.get("strict", False), "strict"),
-        options=options,
-    )
+        dump_path=keys.dump_path, task=name, level=keys.level, ranks=keys.rank, steps=keys.step,
+        scope=_pick("scope", options, keys, section), api_list=_pick("list", options, keys, section),
+        data_mode=_pick("data_mode", options, keys, section),
+        summary_mode=_pick("summary_mode", options, keys, section),
+        stack=keys.stack, risk_level=keys.risk_level, predecessor_format=keys.predecessor_format,
+        queue_size=keys.queue_size, when_full=keys.when_full, strict=keys.strict, options=options)
 
 
-def _section(data: dict, task: str) -> dict:
-    section = data.get(task, {})
-    allowed = _section_keys(task)
+def _pick(key: str, options: Any, keys: DumpKeys, section: dict) -> Any:
+    """A selection key: from the task's section when it sets it there, else from the top level."""
+    return getattr(options, key) if key in section else getattr(keys, key)
+
+
+def _options(task: type[DumpTask], section: Any, data: dict) -> Any:
+    """The task's section built into its `Config` (the predecessor's keys of other tasks checked)."""
+    allowed = tuple(f.name for f in fields(task.Config))
     if not isinstance(section, dict):
-        raise ConfigError(f"{task}: expected a mapping of {', '.join(allowed)}, got {section!r}")
-    for key in section:
-        if key in allowed:
-            pass
-        elif key in PREDECESSOR_SECTION_ONLY:  # a key of another task of the predecessor's
-            _predecessor_only(f"{task}.{key}", section[key], PREDECESSOR_SECTION_ONLY[key])
-        else:
-            _unknown(f"{task}.{key}", allowed, key)
+        raise ConfigError(f"{task.name}: expected a mapping of {', '.join(allowed)}, got {section!r}")
+    errors: list[str] = []
+    own = {}
+    for key, value in section.items():
+        where = f"{task.name}.{key}"
+        if key not in allowed and key in PREDECESSOR_SECTION_ONLY:  # a key of another task of the predecessor's
+            try:
+                checks.accepted_only(*PREDECESSOR_SECTION_ONLY[key])(value, where)
+            except ConfigError as exc:
+                errors.append(str(exc))
+            continue
+        own[key] = value
         if key in data:
-            raise ConfigError(f"{key}: given both at the top level and in '{task}'; keep one")
-    return {**{k: data[k] for k in SECTION_KEYS if k in data},
-            **{k: v for k, v in section.items() if k in allowed}}
+            errors.append(f"{key}: given both at the top level and in '{task.name}'; keep one")
+    try:
+        options = build_section(task.Config, own, task.name)
+    except ConfigError as exc:
+        errors += problems(exc)
+    if errors:
+        raise ConfigErrors(errors)
+    return options
 
 
-def _predecessor_only(key: str, value: Any, spec: tuple[tuple, str]) -> None:
-    accepted, instead = spec
-    if not any(value == a and type(value) is type(a) for a in accepted):
-        shown = ", ".join(json.dumps(a) for a in accepted)
-        raise ConfigError(f"{key}: {value!r} is not supported here (accepted: {shown}); {instead}")
-
-
-def _unknown(path: str, allowed: tuple[str, ...], key: str | None = None) -> None:
-    near = difflib.get_close_matches(key or path, allowed, n=1)
-    hint = f" (did you mean '{near[0]}'?)" if near else ""
-    raise ConfigError(f"{path}: unknown key{hint}; allowed: {', '.join(allowed)}")
-
-
-def _reject_unsupported(data: dict) -> None:
-    if data.get("framework", "pytorch") not in FRAMEWORKS:
-        raise ConfigError(f"framework: {data['framework']!r} is not supported; use one of {', '.join(FRAMEWORKS)} "
-                          "(the session's framework decides; this key is only checked)")
-    for key in ("enable_dataloader", "is_deterministic"):
-        if data.get(key, False) is not False:
-            raise ConfigError(f"{key}: only false is supported (call start/stop/step yourself), "
-                              f"got {data[key]!r}")
-    if "async_dump" in data:
-        _bool(data["async_dump"], "async_dump")  # always asynchronous here; accepted for compatibility
-
-
-def _choice(value: Any, key: str, allowed: tuple[str, ...], known_unsupported: tuple[str, ...] = ()) -> str:
-    if value in allowed:
-        return value
-    if value in known_unsupported:
-        raise ConfigError(f"{key}: {value!r} is a predecessor option this dump does not implement; "
-                          f"use one of {', '.join(allowed)}")
-    raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
-
-
-def _bool(value: Any, key: str) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
-    return value
-
-
-def _positive(value: Any, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{key}: expected a positive integer, got {value!r}")
-    return value
-
-
-def _strings(value: Any, key: str) -> list[str]:
-    if not isinstance(value, list):
-        raise ConfigError(f"{key}: expected a list of strings, got {value!r}")
-    for i, item in enumerate(value):
-        if not isinstance(item, str) or not item.strip():
-            raise ConfigError(f"{key}[{i}]: expected a non-empty string, got {item!r}")
-    return [item.strip() for item in value]
-
-
-def parse_id_list(value: Any, key: str) -> frozenset[int] | None:
-    """``[0, 2, "4-6"]`` -> {0, 2, 4, 5, 6}; an empty list means all (None)."""
-    if not isinstance(value, list):
-        raise ConfigError(f"{key}: expected a list of integers or \"a-b\" ranges, got {value!r}")
-    ids: set[int] = set()
-    for i, item in enumerate(value):
-        where = f"{key}[{i}]"
-        if isinstance(item, int) and not isinstance(item, bool):
-            if item < 0:
-                raise ConfigError(f"{where}: {item} is negative; {key} ids start at 0")
-            ids.add(item)
-        elif isinstance(item, str) and item.strip().isdigit():
-            ids.add(int(item))
-        elif isinstance(item, str) and (m := _RANGE_RE.match(item)):
-            low, high = int(m.group(1)), int(m.group(2))
-            if low > high:
-                raise ConfigError(f"{where}: range {item!r} is inverted (start {low} > end {high}); "
-                                  f"write \"{high}-{low}\"")
-            ids.update(range(low, high + 1))
-        else:
-            raise ConfigError(f"{where}: {item!r} is neither a non-negative integer nor a range like \"4-6\"")
-    return frozenset(ids) if ids else None
-
-
-def _data_mode(value: Any) -> frozenset[str]:
-    if isinstance(value, str):
-        value = [value]
-    modes = _strings(value, "data_mode")
-    if not modes:
-        raise ConfigError("data_mode: empty; use [\"all\"] or a combination of forward, backward, input, output")
-    for i, mode in enumerate(modes):
-        if mode not in DATA_MODES:
-            raise ConfigError(f"data_mode[{i}]: {mode!r} is not one of {', '.join(DATA_MODES)}")
-    if "all" in modes and len(modes) > 1:
-        raise ConfigError(f"data_mode: 'all' must be given alone, got {modes}")
-    return frozenset(modes)
-
-
-def _scope(value: Any, level: str) -> tuple[str, str] | None:
-    names = _strings(value, "scope")
-    if not names:
-        return None
-    if len(names) != 2:
-        raise ConfigError(f"scope: expected two full names bounding a range (first and last), got {names}")
-    parsed = []
-    for i, name in enumerate(names):
-        entry = parse_entry_name(name)
-        if entry is None or entry.phase == "parameters_grad":
-            raise ConfigError(f"scope[{i}]: {name!r} is not a full name such as "
-                              f"'Module.conv1.Conv2d.forward.0' or 'Tensor.add.0.forward'")
-        if level == "L0" and not entry.is_module:
-            raise ConfigError(f"scope[{i}]: {name!r} is an API name but level is L0 (module names only)")
-        if level == "L1" and entry.is_module:
-            raise ConfigError(f"scope[{i}]: {name!r} is a module name but level is L1 (API names only)")
-        parsed.append(entry)
-    first, last = parsed
-    if first.phase == "backward" and last.phase == "forward":
-        raise ConfigError(f"scope: inverted: {names[0]!r} (backward) runs after {names[1]!r} (forward)")
-    if first.key == last.key and first.counter > last.counter:
-        raise ConfigError(f"scope: inverted: call {first.counter} of {first.key} comes after call {last.counter}")
-    return names[0], names[1]
-
-
-
-# ---- debugger tasks (overflow_check, grad_probe, free_benchmark, diff_check; issue 17) --------
-def _section_keys(task: str) -> tuple[str, ...]:
-    """The keys the section named after `task` accepts."""
-    return section_keys(task) if task in DEBUGGER_TASKS else SECTION_KEYS
-
-
-def _task_options(task: str, section: dict, level: str, level_given: bool) -> TaskOptions | None:
-    """A debugger task's options (its own keys; scope/list/data_mode stay with the dump's)."""
-    if task not in DEBUGGER_TASKS:
-        return None
-    own = {k: v for k, v in section.items() if k not in SECTION_KEYS}
-    return parse_task_options(task, own, level, level_given)
+def _check_across(task: type[DumpTask], keys: DumpKeys, options: Any, section: dict, level_given: bool) -> None:
+    """What needs two keys: the level the task takes, a scope's names against the level, the task's own."""
+    if task.levels is not None and keys.level not in task.levels:
+        where = "" if level_given else " (the default)"
+        raise ConfigError(f"level: {keys.level!r}{where} is not supported by task {task.name}; "
+                          f"use one of {', '.join(task.levels)}")
+    scope = _pick("scope", options, keys, section)
+    if scope is not None:
+        checks.scope_level(scope, keys.level, f"{task.name}.scope" if "scope" in section else "scope")
+    try:
+        task.check(options, set(section))
+    except ConfigError as exc:
+        raise ConfigError(f"{task.name}.{exc}") from None

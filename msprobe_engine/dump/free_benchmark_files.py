@@ -16,24 +16,11 @@ those rows (thresholds, preheat), the same for every framework.
 from __future__ import annotations
 
 import csv
-import logging
 from dataclasses import astuple, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence
 
 from msprobe_engine.dump.writer import rank_dir_name
-
-log = logging.getLogger("msprobe_engine")
-
-
-def report_skipped(hook_errors: dict[str, int], name: str, exc: Exception) -> None:
-    """A call free_benchmark could not check (`name`: the call's dump name): counted per API in
-    `hook_errors`, logged the first time for each API."""
-    api = name.rsplit(".", 2)[0]
-    count = hook_errors.get(api, 0)
-    hook_errors[api] = count + 1
-    if not count:
-        log.error("msprobe free_benchmark: %s skipped: %s: %s (reported once per API)", name, type(exc).__name__, exc)
 
 RESULT_CSV = "free_benchmark.csv"
 #: the perturbation added by add_noise, by dtype name; its square root is the forward tolerance
@@ -90,7 +77,7 @@ class Judge:
     With ``if_preheat`` the first ``preheat_step`` steps only sample (at most ``max_sample``
     outputs per API) and each API's threshold becomes the largest of its dtype threshold and
     the ratios sampled."""
-    options: Any                      # FreeBenchmarkOptions
+    options: Any                      # the free_benchmark task's Config (`dump.tasks.FreeBenchmark.Config`)
     rank: int | None                  # what the rank column shows
     failed: list[ResultRow] = field(default_factory=list)   # every failing output so far
     compared: int = 0                 # outputs judged so far (not counting preheat samples)

@@ -6,9 +6,10 @@ host transfer these helpers pick the entries to write: those whose outputs hold 
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import replace
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -16,6 +17,9 @@ from msprobe_engine.dump.entry import TensorSlot
 from msprobe_engine.dump.writer import StepData
 from msprobe_engine.stats import P_INF, P_MAX, P_MIN, P_NAN, P_NUMEL, P_SUM
 
+log = logging.getLogger("msprobe_engine")
+#: the step's summary of overflow_check: which calls overflowed, the first one first
+OVERFLOW_SUMMARY_JSON = "overflow_summary.json"
 #: the part of an entry that is its call's result (forward: its output; backward: the input gradients)
 OUTPUT_KEY = "output"
 #: an entry whose every tensor is a result (the gradients of a module's/Cell's parameters)
@@ -95,3 +99,24 @@ def keep_entries(data: StepData, names: list[str]) -> StepData:
                    construct={n: p for n, p in data.construct.items() if n in keep},
                    stacks=None if data.stacks is None else {n: f for n, f in data.stacks.items() if n in keep},
                    write_empty=False)
+
+
+def held_items(data: StepData, names: list[str], held: list[tuple[TensorSlot, Any, str]], suffix: str,
+               to_host: Callable[[Any], Any]) -> list[tuple[TensorSlot, Any]]:
+    """The held tensors of the chosen entries `names`, copied to the host, their slots named
+    ``<entry>.<suffix>`` (the tensor files the writer saves); the others are left."""
+    wanted = {id(slot) for name in names for slot in iter_slots(data.entries[name])}
+    items = []
+    for slot, tensor, name in held:
+        if id(slot) in wanted:
+            slot.data_name = f"{name}.{suffix}"
+            items.append((slot, to_host(tensor)))
+    return items
+
+
+def overflow_summary(step: int, names: list[str], limit: int) -> dict[str, Any]:
+    """overflow_check's extra file of a step whose calls `names` overflowed (logged once a step)."""
+    log.warning("msprobe overflow_check: step %d: %d call(s) with nan/inf dumped; the first is %s",
+                step, len(names), names[0])
+    return {OVERFLOW_SUMMARY_JSON: {"step": step, "overflow_nums": limit, "first_overflow": names[0],
+                                    "overflowed": names}}

@@ -1,8 +1,8 @@
 """Mergeable per-tensor statistics.
 
 Every backend reduces a batch of tensors to one row of *partial* statistics per
-tensor, in the column order of `stats.columns` (declared once there, with each
-column's identity and merge)::
+tensor, in the column order of `stats.columns` (registered there, with each
+column's identity, merge and per-backend reducer; the built-in ones)::
 
     min, max, sum, sumsq, nan_count, inf_count, zero_count, numel
 
@@ -23,8 +23,9 @@ from typing import Sequence
 
 import numpy as np
 
-from msprobe_engine.stats.columns import (COLUMN, EMPTY_ROW, N_COLUMNS, P_INF, P_MAX, P_MIN, P_NAN, P_NUMEL,
-                                          P_SUM, P_SUMSQ, P_ZERO, PARTIAL_COLUMNS, empty_rows, merge)
+from msprobe_engine.stats import columns as _columns
+from msprobe_engine.stats.columns import (P_INF, P_MAX, P_MIN, P_NAN, P_NUMEL, P_SUM, P_SUMSQ, P_ZERO, PartialColumn,
+                                          column_names, empty_rows, merge, register_column)
 from msprobe_engine.stats.registry import STATISTICS, Statistic, optional_columns, register_statistic
 
 DEFAULT_STATS: tuple[str, ...] = ("min", "max", "mean", "norm", "nan_count", "inf_count")
@@ -33,35 +34,42 @@ DEFAULT_STATS: tuple[str, ...] = ("min", "max", "mean", "norm", "nan_count", "in
 def divide(partials, divisor: float):
     """The partial rows of the same tensors divided by `divisor` > 0 (e.g. a loss scale).
 
-    In place; numpy arrays and torch tensors alike (plain slicing)."""
-    partials[..., P_MIN:P_SUM + 1] /= divisor
+    In place; numpy arrays and torch tensors alike (plain slicing). Registered columns are
+    left as they are (their scaling is unknown here)."""
+    for at in (P_MIN, P_MAX, P_SUM):
+        partials[..., at] /= divisor
     partials[..., P_SUMSQ] /= divisor * divisor
     return partials
 
 
 def finalize(partials: np.ndarray, names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
-    """Turn partial rows ``[..., N_COLUMNS]`` into named statistics arrays: every registered
+    """Turn partial rows ``[..., n_columns()]`` into named statistics arrays: every registered
     statistic, or those in `names`."""
     p = np.asarray(partials, dtype=np.float64)
-    columns = {name: p[..., i] for name, i in COLUMN.items()}
+    by_name = {name: p[..., i] for i, name in enumerate(_columns.names()[:p.shape[-1]])}
     wanted = STATISTICS.names() if names is None else names
-    return {name: STATISTICS.get(name)().compute(columns) for name in wanted}
+    return {name: STATISTICS.get(name)().compute(by_name) for name in wanted}
 
 
 def reference_partial(values: np.ndarray) -> np.ndarray:
-    """Plain numpy float64 partial statistics of one array (the tests' reference)."""
+    """Plain numpy float64 partial statistics of one array (the tests' reference; registered
+    columns by their ``numpy`` reducer)."""
     x = np.asarray(values).astype(np.float64).ravel()
     if x.size == 0:
-        return np.array(EMPTY_ROW, dtype=np.float64)
-    return np.array([
-        x.min() if not np.isnan(x).any() else np.nan,
-        x.max() if not np.isnan(x).any() else np.nan,
-        x.sum(), (x * x).sum(), np.isnan(x).sum(), np.isinf(x).sum(), (x == 0).sum(), x.size,
-    ], dtype=np.float64)
+        return np.array(_columns.empty_row(), dtype=np.float64)
+    nan = bool(np.isnan(x).any())
+    row = _columns.builtin_row({
+        "min": np.nan if nan else x.min(), "max": np.nan if nan else x.max(), "sum": x.sum(),
+        "sumsq": (x * x).sum(), "nan_count": np.isnan(x).sum(), "inf_count": np.isinf(x).sum(),
+        "zero_count": (x == 0).sum(), "numel": x.size})
+    for i, reduce in enumerate(_columns.extra_reducers("numpy"), start=_columns.N_BUILTIN):
+        if reduce is not None:
+            row[i] = float(reduce(x))
+    return np.array(row, dtype=np.float64)
 
 
 __all__: Sequence[str] = (
-    "PARTIAL_COLUMNS", "N_COLUMNS", "DEFAULT_STATS", "STATISTICS", "Statistic", "register_statistic",
-    "optional_columns", "merge", "divide", "finalize", "reference_partial", "empty_rows",
+    "DEFAULT_STATS", "STATISTICS", "Statistic", "register_statistic", "PartialColumn", "register_column",
+    "column_names", "optional_columns", "merge", "divide", "finalize", "reference_partial", "empty_rows",
     "P_MIN", "P_MAX", "P_SUM", "P_SUMSQ", "P_NAN", "P_INF", "P_ZERO", "P_NUMEL",
 )

@@ -13,7 +13,7 @@ from msprobe_engine.stats import empty_rows, reference_partial
 
 
 def partial_stats(tensors: Sequence[Any], count_zeros: bool = False, deferred: bool = False) -> np.ndarray:
-    """``[len(tensors), N_COLUMNS]`` float64 rows (the zero count is always taken: it is cheap here)."""
+    """``[len(tensors), n_columns()]`` float64 rows (the zero count is always taken: it is cheap here)."""
     if not tensors:
         return empty_rows()
     return np.stack([reference_partial(np.asarray(t)) for t in tensors])

@@ -6,8 +6,8 @@ from typing import Iterable, NamedTuple
 
 import numpy as np
 
-from msprobe_engine.stats import N_COLUMNS, P_INF, P_NAN, P_SUMSQ, finalize
-from msprobe_engine.stats.columns import MAX_COLUMNS, MIN_COLUMNS
+from msprobe_engine.stats import P_INF, P_NAN, P_SUMSQ, finalize
+from msprobe_engine.stats.columns import merge_indices, n_columns
 
 
 class MetricKey(NamedTuple):
@@ -27,7 +27,7 @@ class MetricKey(NamedTuple):
 class StatTable:
     """Partial rows for unique keys in execution order (first appearance wins)."""
     keys: list[MetricKey]
-    partials: np.ndarray  # [len(keys), N_COLUMNS]
+    partials: np.ndarray  # [len(keys), n_columns()]
     metrics: dict[str, float] | None = field(default=None, repr=False)  # filled by the monitor
     _finalized: dict[str, np.ndarray] | None = field(default=None, repr=False)
 
@@ -36,13 +36,14 @@ class StatTable:
         """Merge rows that share a key (micro-steps, repeated reads) into one."""
         keys = list(keys)
         if len(dict.fromkeys(keys)) == len(keys):  # the usual case: no key twice (one C-level pass)
-            return cls(keys, np.asarray(rows, dtype=np.float64).reshape(-1, N_COLUMNS))
+            return cls(keys, np.asarray(rows, dtype=np.float64).reshape(-1, n_columns()))
         index: dict[MetricKey, int] = {}
         groups = np.fromiter((index.setdefault(key, len(index)) for key in keys), dtype=np.int64, count=len(keys))
-        rows = np.asarray(rows, dtype=np.float64).reshape(-1, N_COLUMNS)
-        merged = np.full((len(index), N_COLUMNS), -0.0)  # -0.0 + x == x: the sums come out as merge's
+        rows = np.asarray(rows, dtype=np.float64).reshape(-1, n_columns())
+        merged = np.full((len(index), n_columns()), -0.0)  # -0.0 + x == x: the sums come out as merge's
         np.add.at(merged, groups, rows)  # row by row, in the order they came
-        for columns, start, at in ((MIN_COLUMNS, np.inf, np.minimum.at), (MAX_COLUMNS, -np.inf, np.maximum.at)):
+        for columns, start, at in ((merge_indices("min"), np.inf, np.minimum.at),
+                                   (merge_indices("max"), -np.inf, np.maximum.at)):
             for c in columns:
                 merged[:, c] = start
                 at(merged[:, c], groups, rows[:, c])

@@ -29,6 +29,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, ops
 
+from msprobe_engine.stats import columns
+
 #: Tensors above this many elements are reduced on their own, not concatenated.
 LARGE_NUMEL = 1 << 20
 #: Longer tensors are summed in float32 per chunk of this many elements, the chunk sums
@@ -62,14 +64,34 @@ Measured = Union[Tensor, Difference]
 
 
 def partial_stats(tensors: Sequence[Measured], count_zeros: bool = False, deferred: bool = False) -> Tensor:
-    """Return a ``[len(tensors), 8]`` float64 tensor of partial statistics.
+    """Return a ``[len(tensors), n_columns()]`` float64 tensor of partial statistics.
 
-    Columns follow `msprobe_engine.stats.PARTIAL_COLUMNS`; the zero count is nan
-    unless `count_zeros`. Nothing is transferred to the host. `deferred` is part of
-    the backend interface; here the rows are always packed (by the one compiled graph).
+    Columns follow `msprobe_engine.stats.columns`: the built-in ones from the one compiled
+    graph (in `columns.BUILTIN` order), then the registered ones by their ``mindspore``
+    reducers (nan without one). The zero count is nan unless `count_zeros`. Nothing is
+    transferred to the host. `deferred` is part of the backend interface; here the rows are
+    always packed.
     """
     if not tensors:
-        return Tensor(np.empty((0, 8)), ms.float64)
+        return Tensor(np.empty((0, columns.n_columns())), ms.float64)
+    rows = _builtin_stats(tensors, count_zeros)
+    return ops.cat([rows, _extra_rows(tensors)], 1) if columns.EXTRA else rows
+
+
+def _extra_rows(tensors: Sequence[Measured]) -> Tensor:
+    """``[len(tensors), len(columns.EXTRA)]`` by the registered columns' ``mindspore`` reducers."""
+    reducers = columns.extra_reducers("mindspore")
+    rows = []
+    for item in tensors:
+        flat = (item.after - item.before if isinstance(item, Difference) else item).reshape(-1)
+        rows.append(ops.stack([Tensor(column.identity if flat.size == 0 else _NAN, ms.float64)
+                               if reduce is None or flat.size == 0 else reduce(flat).astype(ms.float64).reshape(())
+                               for reduce, column in zip(reducers, columns.EXTRA)]))
+    return ops.stack(rows)
+
+
+def _builtin_stats(tensors: Sequence[Measured], count_zeros: bool) -> Tensor:
+    """The built-in columns of `partial_stats`, by the one compiled graph."""
     distinct = list({id(tensor): tensor for tensor in tensors}.values())
     slot = {id(tensor): i for i, tensor in enumerate(distinct)}
     groups: dict[tuple[bool, int, int], list[int]] = {}

@@ -13,7 +13,6 @@ Optimizer steps are counted from 0; ``step`` and ``rank`` select as for a dump.
 """
 from __future__ import annotations
 
-import logging
 from functools import partial
 from typing import Any
 
@@ -22,27 +21,19 @@ import numpy as np
 from mindspore import nn, ops
 
 from msprobe_engine.errors import ConfigError
-from msprobe_engine.dump.config import DumpConfig
-from msprobe_engine.dump.grad_probe_files import GradRows, check_param_list, interval_counts, write_grad_step
-from msprobe_engine.dump.writer import StepData
+from msprobe_engine.dump.grad_probe import GradProbeRecorder
+from msprobe_engine.dump.grad_probe_files import GradRows, check_param_list, interval_counts
+from msprobe_engine.dump.recorder import RecorderContext
 from msprobe_engine.frameworks.mindspore import backend as mindspore_backend
 from msprobe_engine.frameworks.mindspore.cell_hooks import jit_safe
 from msprobe_engine.stats import P_MAX, P_MIN, P_SUMSQ
 
-log = logging.getLogger("msprobe_engine")
 
+class MindSporeGradProbe(GradProbeRecorder):
+    """The MindSpore grad_probe recorder: a forward pre-hook on the optimizer Cell."""
 
-class MindSporeGradProbe:
-    """The grad_probe task's recorder (the session's `_recorder`); `remove()` takes its hooks off."""
-
-    def __init__(self, config: DumpConfig, rank: int | None, writer: Any) -> None:
-        self.config, self.options, self.rank, self.writer = config, config.options, rank, writer
-        self.active = False  # set by the session; gradients are probed at every optimizer step regardless
-        self.transfers = 0
-        self.steps_written = 0
-        self.hook_errors: dict[str, int] = {}
-        self.sel = None
-        self._step = 0
+    def __init__(self, ctx: RecorderContext) -> None:
+        super().__init__(ctx)
         self._handles: list[Any] = []
 
     def watch(self, optimizer: Any) -> None:
@@ -62,32 +53,16 @@ class MindSporeGradProbe:
             handle.remove()
         self._handles.clear()
 
-    def finish_step(self) -> StepData:
-        """The session's step end: grad_probe writes at optimizer steps, nothing here."""
-        return StepData({}, {}, None, np.empty((0, 8)), write_empty=False)
-
     # ---- the optimizer hook ----------------------------------------------------------------
     def _before_step(self, watched: list[tuple[int, str]], optimizer: nn.Cell, args: tuple) -> None:
-        step, self._step = self._step, self._step + 1
-        if not (self.config.wants_step(step) and self.config.wants_rank(self.rank or 0)):
-            return
-        try:
-            grads = list(args[0]) if args else []
-            named = [(name, grads[i]) for i, name in watched if i < len(grads) and grads[i] is not None]
-            if named:
-                self.writer.submit(partial(self._write, step, self._measure(named)), "grad_probe step")
-        except Exception as exc:
-            if self.config.strict:
-                raise
-            count = self.hook_errors.get("grad_probe", 0)
-            self.hook_errors["grad_probe"] = count + 1
-            if not count:
-                log.error("msprobe grad_probe: step %d not probed: %s: %s (reported once)", step,
-                          type(exc).__name__, exc)
+        step = self._next_step()
+        if step is not None:
+            self._probe(step, partial(self._gradients, watched, args))
 
-    def _write(self, step: int, rows: GradRows) -> None:
-        write_grad_step(self.config.dump_path, self.rank, step, self.options.grad_level, self.options.bounds, rows)
-        self.steps_written += 1
+    def _gradients(self, watched: list[tuple[int, str]], args: tuple) -> GradRows | None:
+        grads = list(args[0]) if args else []
+        named = [(name, grads[i]) for i, name in watched if i < len(grads) and grads[i] is not None]
+        return self._measure(named) if named else None
 
     def _measure(self, named: list[tuple[str, Any]]) -> GradRows:
         tensors = [g for _, g in named]

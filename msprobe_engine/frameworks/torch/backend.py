@@ -48,6 +48,8 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from msprobe_engine.frameworks.torch import cpu_reduce, fused_reduce
+from msprobe_engine.stats import columns
+from msprobe_engine.stats.columns import BUILTIN, N_BUILTIN
 
 #: Tensors up to this many elements are batched by size class into padded matrices
 #: (measured on CPU: above ~2k elements three vectorised reductions per tensor are cheaper).
@@ -115,13 +117,45 @@ Rows = Union[torch.Tensor, Pending]
 
 
 def partial_stats(tensors: Sequence[torch.Tensor], count_zeros: bool = False, deferred: bool = False) -> Rows:
-    """Return a ``[len(tensors), 8]`` float64 tensor of partial statistics.
+    """Return a ``[len(tensors), n_columns()]`` float64 tensor of partial statistics.
 
-    Columns follow `msprobe_engine.stats.PARTIAL_COLUMNS`; the zero count is nan
+    Columns follow `msprobe_engine.stats.columns`; the zero count is nan
     unless `count_zeros`. The result lives on the device of the first tensor;
     nothing is transferred to the host. `deferred`: return a `Pending` block
     instead (reduced, not packed), for `concat` to pack with the step's others.
+    Registered columns (`columns.EXTRA`) are measured by their torch reducers, one
+    tensor at a time, after the built-in ones (then the rows are packed at once).
     """
+    if columns.EXTRA and tensors:
+        rows = torch.cat([_builtin_stats(tensors, count_zeros), _extra_rows(tensors)], dim=1)
+        if not deferred:
+            return rows
+        block = Pending(0, rows.device)
+        block.add_rows(rows)
+        return block
+    return _builtin_stats(tensors, count_zeros, deferred)
+
+
+def _extra_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[len(tensors), len(columns.EXTRA)]``: each registered column by its torch reducer (nan
+    without one; its identity for an empty tensor)."""
+    reducers = columns.extra_reducers("torch")
+    with torch.no_grad():
+        values = [[_extra(reduce, column, _values(t)) for reduce, column in zip(reducers, columns.EXTRA)]
+                  for t in tensors]
+    return torch.stack([torch.stack(row).to(tensors[0].device) for row in values])
+
+
+def _extra(reduce: Any, column: columns.PartialColumn, flat: torch.Tensor) -> torch.Tensor:
+    if reduce is None:
+        return torch.tensor(_UNKNOWN, dtype=torch.float64, device=flat.device)
+    if not flat.numel():
+        return torch.tensor(column.identity, dtype=torch.float64, device=flat.device)
+    return reduce(flat).to(torch.float64).reshape(())
+
+
+def _builtin_stats(tensors: Sequence[torch.Tensor], count_zeros: bool = False, deferred: bool = False) -> Rows:
+    """The built-in columns (`columns.BUILTIN`) of `partial_stats`."""
     device = tensors[0].device if tensors else torch.device("cpu")
     pending = Pending(len(tensors), device)
     # -- a single-pass kernel where there is one: C on CPU (cpu_reduce.py; MSPROBE_CPU_KERNEL=0 turns it
@@ -285,9 +319,17 @@ def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 
 def _empty_rows(count: int, device: torch.device) -> torch.Tensor:
-    rows = torch.zeros((count, 8), dtype=torch.float64, device=device)  # filled on the device: no copy
-    rows[:, 0], rows[:, 1] = math.inf, -math.inf
+    rows = torch.zeros((count, N_BUILTIN), dtype=torch.float64, device=device)  # filled on the device: no copy
+    for i, column in enumerate(BUILTIN):
+        if column.identity:
+            rows[:, i] = column.identity
     return rows
+
+
+def _row(**named: torch.Tensor) -> torch.Tensor:
+    """The built-in columns' vectors, by name, as rows in the registry's order (the order the C
+    and Triton kernels write too: `columns.BUILTIN`)."""
+    return torch.stack([named[column.name] for column in BUILTIN], dim=1)
 
 
 def _host_values(values: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -333,9 +375,8 @@ def _small_rows(flats: list[torch.Tensor], count_zeros: bool) -> torch.Tensor:
     else:
         nans, infs = torch.isnan(padded).sum(1), torch.isinf(padded).sum(1)
     zeros = lengths - torch.count_nonzero(padded, dim=1) if count_zeros else torch.full_like(total, _UNKNOWN)
-    return torch.stack([
-        low, high, total, sumsq, nans.to(torch.float64), infs.to(torch.float64), zeros.to(torch.float64), lengths,
-    ], dim=1)
+    return _row(min=low, max=high, sum=total, sumsq=sumsq, nan_count=nans.to(torch.float64),
+                inf_count=infs.to(torch.float64), zero_count=zeros.to(torch.float64), numel=lengths)
 
 
 def _pack(pending: Pending) -> torch.Tensor:
@@ -349,8 +390,8 @@ def _pack(pending: Pending) -> torch.Tensor:
     sumsq = torch.segment_reduce(chunk_norms.square(), "sum", lengths=lengths)
     nonzero = counts[:, 2]
     zeros = torch.where(nonzero == NOT_TAKEN, _UNKNOWN, torch.where(nonzero == NO_ZEROS, 0.0, numel - nonzero))
-    return torch.stack([low_high[:, 0], low_high[:, 1], _stack_f64(pending.sums),
-                        sumsq, counts[:, 0], counts[:, 1], zeros, numel], dim=1)
+    return _row(min=low_high[:, 0], max=low_high[:, 1], sum=_stack_f64(pending.sums), sumsq=sumsq,
+                nan_count=counts[:, 0], inf_count=counts[:, 1], zero_count=zeros, numel=numel)
 
 
 def _stack_f64(values: list[torch.Tensor]) -> torch.Tensor:
@@ -419,7 +460,7 @@ def concat(rows: Sequence[Rows]) -> torch.Tensor:
     pieces = [(merged.positions, _pack(merged))] if merged.positions else []
     pieces += merged.blocks
     if not pieces:
-        return torch.empty((0, 8), dtype=torch.float64, device=device)
+        return torch.empty((0, columns.n_columns()), dtype=torch.float64, device=device)
     packed = torch.cat([rows.to(device) for _, rows in pieces])
     order = [pos for positions, _ in pieces for pos in positions]
     if order == list(range(len(order))):

@@ -30,7 +30,7 @@ from msprobe_engine.frameworks.torch.distributed import (AUTO, LOCAL, MERGE, ONC
 from msprobe_engine.frameworks.torch.fsdp import shard_groups
 from msprobe_engine.incident.actions import StepDecision
 from msprobe_engine.reducer import Reducer
-from msprobe_engine.stats.columns import EMPTY_ROW
+from msprobe_engine.stats.columns import empty_row
 from msprobe_engine.stats.table import MetricKey
 
 #: row kinds measured on parameters (gradient, weight, optimizer state)
@@ -202,4 +202,4 @@ class DataParallelMerge(Reducer):
 
 
 def _empty_row(rows: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(EMPTY_ROW, dtype=rows.dtype, device=rows.device)
+    return torch.tensor(empty_row(), dtype=rows.dtype, device=rows.device)

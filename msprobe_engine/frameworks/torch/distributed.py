@@ -3,7 +3,7 @@ every integration (DeepSpeed, Megatron-core, DDP/FSDP).
 
 One collective per group and transfer: every rank contributes its packed rows (the same keys
 in the same order) plus one marker row holding a checksum of the key layout; they are
-all-gathered into ``[world, k + 1, N_COLUMNS]`` and each row is combined as its policy says:
+all-gathered into ``[world, k + 1, n_columns()]`` and each row is combined as its policy says:
 
 - `MERGE`: the ranks hold different pieces (shards, other data): the exact merge of
   `stats.columns` (min of mins, max of maxes, sums add);
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from msprobe_engine.stats.columns import MAX_COLUMNS, MIN_COLUMNS
+from msprobe_engine.stats.columns import merge_indices
 from msprobe_engine.stats.table import MetricKey
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ def agree_flags(skip: bool, stop: bool, group: object = None, device: torch.devi
 
 
 def gather_rows(rows: torch.Tensor, group: object = None) -> torch.Tensor:
-    """All-gather every rank's ``[k, N_COLUMNS]`` rows into ``[world, k, N_COLUMNS]`` (one collective)."""
+    """All-gather every rank's ``[k, n_columns()]`` rows into ``[world, k, n_columns()]`` (one collective)."""
     world = dist.get_world_size(group)
     gathered = torch.empty((world * rows.shape[0], rows.shape[1]), dtype=rows.dtype, device=rows.device)
     _all_gather(gathered, rows.contiguous(), group=group)
@@ -113,10 +113,11 @@ def layout_checksum(keys: Sequence[MetricKey]) -> int:
 
 
 def merge_stacked(stacked: torch.Tensor) -> torch.Tensor:
-    """Merge ``[n, k, N_COLUMNS]`` partial rows along the first axis (`stats.columns`' merge)."""
+    """Merge ``[n, k, n_columns()]`` partial rows along the first axis (`stats.columns`' merge)."""
     merged = stacked.sum(dim=0)
-    merged[:, MIN_COLUMNS] = stacked[:, :, MIN_COLUMNS].amin(dim=0)
-    merged[:, MAX_COLUMNS] = stacked[:, :, MAX_COLUMNS].amax(dim=0)
+    for kind, reduce in (("min", torch.amin), ("max", torch.amax)):
+        at = merge_indices(kind)
+        merged[:, at] = reduce(stacked[:, :, at], dim=0)
     return merged
 
 

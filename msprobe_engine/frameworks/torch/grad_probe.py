@@ -11,7 +11,6 @@ Optimizer steps are counted from 0; ``step`` and ``rank`` select as for a dump.
 """
 from __future__ import annotations
 
-import logging
 from functools import partial
 from typing import Any
 
@@ -19,26 +18,19 @@ import numpy as np
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from msprobe_engine.dump.config import DumpConfig
-from msprobe_engine.dump.grad_probe_files import GradRows, check_param_list, write_grad_step
-from msprobe_engine.dump.writer import StepData
+from msprobe_engine.dump.grad_probe import GradProbeRecorder
+from msprobe_engine.dump.grad_probe_files import GradRows, check_param_list
+from msprobe_engine.dump.recorder import RecorderContext
 from msprobe_engine.frameworks.torch import backend as torch_backend
 from msprobe_engine.stats import P_MAX, P_MIN, P_SUMSQ
 
-log = logging.getLogger("msprobe_engine")
 
+class GradProbe(GradProbeRecorder):
+    """The PyTorch grad_probe recorder: a global optimizer pre-step hook."""
 
-class GradProbe:
-    """The grad_probe task's recorder (the session's `_recorder`); `remove()` takes its hook off."""
-
-    def __init__(self, config: DumpConfig, rank: int | None, writer: Any) -> None:
-        self.config, self.options, self.rank, self.writer = config, config.options, rank, writer
-        self.active = False  # set by the session; gradients are probed at every optimizer step regardless
-        self.transfers = 0
-        self.steps_written = 0
-        self.hook_errors: dict[str, int] = {}
+    def __init__(self, ctx: RecorderContext) -> None:
+        super().__init__(ctx)
         self._params: dict[str, torch.nn.Parameter] = {}
-        self._step = 0
         self._bounds = torch.tensor(self.options.bounds, dtype=torch.float64)
         self._handle = register_optimizer_step_pre_hook(self._before_step)
 
@@ -52,38 +44,20 @@ class GradProbe:
     def remove(self) -> None:
         self._handle.remove()
 
-    def finish_step(self) -> StepData:
-        """The session's step end: grad_probe writes at optimizer steps, nothing here."""
-        return StepData({}, {}, None, np.empty((0, 8)), write_empty=False)
-
     # ---- the optimizer hook ----------------------------------------------------------------
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        step, self._step = self._step, self._step + 1
-        if not (self.config.wants_step(step) and self.config.wants_rank(self.rank or 0)):
+        step = self._next_step()
+        if step is None:
             return
         watched = {id(p) for group in optimizer.param_groups for p in group["params"]}
         grads = [(n, g) for n, p in self._params.items()
                  if id(p) in watched and (g := _grad_of(p)) is not None]
-        if not grads:
-            return
-        try:
-            with torch.no_grad():
-                rows = self._measure(grads)
-        except Exception as exc:
-            if self.config.strict:
-                raise
-            count = self.hook_errors.get("grad_probe", 0)
-            self.hook_errors["grad_probe"] = count + 1
-            if not count:
-                log.error("msprobe grad_probe: step %d not probed: %s: %s (reported once)", step,
-                          type(exc).__name__, exc)
-            return
-        job = partial(self._write, step, rows)
-        self.writer.submit(job, "grad_probe step")
+        if grads:
+            self._probe(step, partial(self._measure_no_grad, grads))
 
-    def _write(self, step: int, rows: GradRows) -> None:
-        write_grad_step(self.config.dump_path, self.rank, step, self.options.grad_level, self.options.bounds, rows)
-        self.steps_written += 1
+    def _measure_no_grad(self, grads: list[tuple[str, torch.Tensor]]) -> GradRows:
+        with torch.no_grad():
+            return self._measure(grads)
 
     def _measure(self, grads: list[tuple[str, torch.Tensor]]) -> GradRows:
         level = self.options.grad_level

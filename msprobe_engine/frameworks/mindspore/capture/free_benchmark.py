@@ -27,19 +27,17 @@ as for PyTorch (`Judge`; the predecessor's MindSpore side has no preheat).
 from __future__ import annotations
 
 import contextlib
-from functools import partial
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import mindspore as ms
-import numpy as np
 from mindspore import Tensor, ops
 
-from msprobe_engine.dump.config import DumpConfig
-from msprobe_engine.dump.free_benchmark_files import (NOISE as NOISE_BY_NAME, Compared, Judge, ResultRow,
-                                                      report_skipped, tolerance, write_results)
-from msprobe_engine.dump.select import Selection
+from msprobe_engine.dump.free_benchmark import FreeBenchmarkRecorder, map_tensors
+from msprobe_engine.dump.free_benchmark_files import NOISE as NOISE_BY_NAME, Compared, tolerance
+from msprobe_engine.dump.recorder import RecorderContext
 from msprobe_engine.dump.writer import StepData
-from msprobe_engine.frameworks.mindspore.capture.apis import Gate
+from msprobe_engine.frameworks.mindspore.capture.gated import GatedRecorder
+from msprobe_engine.stats import empty_rows
 
 #: the CSV's header on MindSpore (the predecessor's MindSpore side calls pert_mode "pert_type")
 HEADER = ("rank", "pert_type", "stage", "step", "api_name", "max_rel", "dtype", "shape", "output_index")
@@ -65,13 +63,7 @@ def _floating(t: Any) -> bool:
 
 
 def _map(value: Any, fn: Callable[[Tensor], Tensor]) -> Any:
-    if isinstance(value, Tensor):
-        return fn(value)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_map(v, fn) for v in value)
-    if isinstance(value, dict):
-        return {k: _map(v, fn) for k, v in value.items()}
-    return value
+    return map_tensors(value, Tensor, fn)
 
 
 def _target(args: tuple) -> int:
@@ -158,58 +150,22 @@ def skipped(key: str) -> bool:
             or any(part.startswith(RANDOM_PREFIXES) or part in RANDOM for part in parts))
 
 
-class MindSporeFreeBenchmark:
-    """The free_benchmark task's handler of the API routes (the session's `_recorder`)."""
+class MindSporeFreeBenchmark(FreeBenchmarkRecorder, GatedRecorder):
+    """The MindSpore free_benchmark handler of the API routes."""
 
-    def __init__(self, config: DumpConfig, rank: int | None, writer: Any) -> None:
-        self.config, self.options, self.rank, self.writer = config, config.options, rank, writer
-        self.sel = Selection(config)
-        self.gate = Gate()
-        self._active = False
-        self.transfers = 0
-        self.hook_errors: dict[str, int] = {}
-        self.judge = Judge(config.options, rank)
-        self.replaces_outputs = config.options.handler_type == "fix"  # see `ApiHooks._cell`
-        self._step = 0
-        self._reset()
-
-    @property
-    def active(self) -> bool:
-        return self._active
-
-    @active.setter
-    def active(self, value: bool) -> None:
-        self._active = value
-        self.gate.open = value
-
-    @property
-    def failed(self) -> list[ResultRow]:
-        """Every failing output so far (also written to the CSV)."""
-        return self.judge.failed
-
-    @property
-    def compared(self) -> int:
-        return self.judge.compared
+    def __init__(self, ctx: RecorderContext) -> None:
+        self._depth = 0
+        super().__init__(ctx, ctx.rank)
+        self.replaces_outputs = self.options.handler_type == "fix"  # see `ApiHooks._cell`
 
     def _reset(self) -> None:
-        self._counters: dict[str, int] = {}
+        super()._reset()
         self._depth = 0
-        self._pending: list[tuple[Compared, Tensor]] = []
-        self.sel.new_step()
 
-    @contextlib.contextmanager
-    def _guard(self, name: str) -> Iterator[None]:
+    def _guard(self, name: str) -> contextlib.AbstractContextManager:
         """The handler's own MindSpore calls are not routed; an error is logged once per API and
         the call is left as it ran (strict: raised)."""
-        routed, self.gate.open = self.gate.open, False
-        try:
-            yield
-        except Exception as exc:
-            if self.config.strict:
-                raise
-            report_skipped(self.hook_errors, name, exc)
-        finally:
-            self.gate.open = routed
+        return self._gated(lambda exc: self._skip(name, exc))
 
     # ---- the API routes' hooks ----------------------------------------------------------------
     def api_begin(self, key: str) -> None:
@@ -223,14 +179,9 @@ class MindSporeFreeBenchmark:
         self._depth -= 1
         if self._depth or func is None:
             return None  # a call inside a routed call, as in the dump: not counted
-        n = self._counters.get(key, 0)
-        self._counters[key] = n + 1
-        name = f"{key}.{n}.forward"
-        want = self.sel.want(key, name, f"{key}.{n}.backward")
-        in_scope = self.sel.begin(name)
-        self.sel.end(name)
+        name, wanted = self._call(key)
         index = _target(args)
-        if not (want.forward and in_scope) or index < 0 or skipped(key):
+        if not wanted or index < 0 or skipped(key):
             return None
         fixed = None
         with self._guard(name):
@@ -296,11 +247,8 @@ class MindSporeFreeBenchmark:
             with self._guard("step end"):
                 ratios = ops.stack([r for _, r in pending]).asnumpy()
                 self.transfers += 1
-                rows = self.judge.rows(step, [c for c, _ in pending], ratios.tolist())
-                if rows:
-                    self.writer.submit(partial(write_results, self.config.dump_path, step, self.rank, rows,
-                                               HEADER), "free_benchmark results")
-        return StepData({}, {}, None, np.empty((0, 8)), write_empty=False)
+                self._submit(step, [c for c, _ in pending], ratios.tolist(), HEADER)
+        return StepData({}, {}, None, empty_rows(), write_empty=False)
 
 
 def _input_grads(func: Callable, args: tuple, kwargs: dict, positions: list[int]) -> list[Any]:

@@ -13,19 +13,18 @@ nan or inf; only their tensors are copied to the host and written as ``.npy`` fi
 """
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from mindspore import Parameter, Tensor
 
 from msprobe_engine.dump.entry import TensorSlot
-from msprobe_engine.dump.step_filter import iter_slots, keep_entries, overflowing
+from msprobe_engine.dump.step_filter import (OVERFLOW_SUMMARY_JSON, held_items, keep_entries, overflow_summary,
+                                             overflowing)
 from msprobe_engine.dump.writer import StepData
 from msprobe_engine.frameworks.mindspore.capture.recorder import CellRecorder, host_copy
 
-log = logging.getLogger("msprobe_engine")
 #: the step's summary (as PyTorch's): which calls overflowed, the first one first
-SUMMARY_JSON = "overflow_summary.json"
+SUMMARY_JSON = OVERFLOW_SUMMARY_JSON
 
 
 class OverflowCellRecorder(CellRecorder):
@@ -37,6 +36,10 @@ class OverflowCellRecorder(CellRecorder):
         self.copies = self.save_tensors = False  # held on the device; saved only when chosen
         self.overflows: list[tuple[int, str]] = []
         self.step_number = 0
+
+    @property
+    def results(self) -> list:
+        return self.overflows
 
     def _reset(self) -> None:
         super()._reset()
@@ -61,18 +64,10 @@ class OverflowCellRecorder(CellRecorder):
             with self._guard("overflow tensors"):
                 self._emit_held(data, names, held)
             self.overflows.append((step, names[0]))
-            log.warning("msprobe overflow_check: step %d: %d call(s) with nan/inf dumped; the first is %s",
-                        step, len(names), names[0])
-            kept.extra = {SUMMARY_JSON: {"step": step, "overflow_nums": limit, "first_overflow": names[0],
-                                         "overflowed": names}}
+            kept.extra = overflow_summary(step, names, limit)
         return kept
 
     def _emit_held(self, data: StepData, names: list[str], held: list) -> None:
-        wanted = {id(slot) for name in names for slot in iter_slots(data.entries[name])}
-        items = []
-        for slot, copy, name in held:
-            if id(slot) in wanted:
-                slot.data_name = f"{name}.npy"
-                items.append((slot, host_copy(copy)))
+        items = held_items(data, names, held, "npy", host_copy)
         if items:
             self.emit_tensors(items)

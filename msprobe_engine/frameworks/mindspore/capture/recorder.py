@@ -18,17 +18,18 @@ import contextlib
 import logging
 import os
 import sys
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor
 
-from msprobe_engine.dump.config import DumpConfig
 from msprobe_engine.dump.entry import UNHANDLED, TensorSlot, describe
+from msprobe_engine.dump.recorder import RecorderContext
 from msprobe_engine.dump.select import Selection
 from msprobe_engine.dump.writer import Frames, StepData
-from msprobe_engine.frameworks.mindspore.capture.apis import Gate
+from msprobe_engine.frameworks.mindspore.capture.gated import GatedRecorder
+from msprobe_engine.stats import empty_rows
 
 log = logging.getLogger("msprobe_engine")
 
@@ -59,31 +60,23 @@ def _as_list(value: Any) -> list[Any]:
     return list(value) if isinstance(value, (tuple, list)) else [value]
 
 
-class CellRecorder:
+class CellRecorder(GatedRecorder):
     """Collects one step at a time; `active` is switched by the session (start/stop)."""
 
-    def __init__(self, config: DumpConfig, backend: Any, emit_tensors: Callable[[TensorItems], None]) -> None:
-        self.config = config
-        self.backend = backend
+    def __init__(self, ctx: RecorderContext) -> None:
+        super().__init__(ctx)
+        config = ctx.config
+        self.backend = ctx.backend
         self.sel = Selection(config)
-        self.emit_tensors = emit_tensors
+        self.emit_tensors = ctx.emit_tensors
         self.save_tensors = config.task == "tensor"
         self.copies = self.save_tensors or config.summary_mode == "md5"
-        self.gate = Gate()
-        self._active = False
         self.transfers = 0
-        self.hook_errors: dict[str, int] = {}
         self._reset()
 
     @property
-    def active(self) -> bool:
-        """Recording now (switched by the session's start/stop); API calls are routed only then."""
-        return self._active
-
-    @active.setter
-    def active(self, value: bool) -> None:
-        self._active = value
-        self.gate.open = value and self.sel.apis
+    def routes_apis(self) -> bool:
+        return self.sel.apis
 
     def _reset(self) -> None:
         self.entries: dict[str, Any] = {}
@@ -101,23 +94,10 @@ class CellRecorder:
         self.sel.new_step()
 
     # ---- errors ------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _guard(self, where: str) -> Iterator[None]:
-        """A hook body: its own MindSpore calls are not routed (the gate is closed meanwhile);
-        an error is logged once per `where` and skipped (strict: raised)."""
-        routed, self.gate.open = self.gate.open, False
-        try:
-            yield
-        except Exception as exc:
-            if self.config.strict:
-                raise
-            count = self.hook_errors.get(where, 0)
-            self.hook_errors[where] = count + 1
-            if count == 0:
-                log.error("msprobe dump: error in %s: %s: %s; it is reported once and skipped",
-                          where, type(exc).__name__, exc)
-        finally:
-            self.gate.open = routed
+    def _guard(self, where: str) -> contextlib.AbstractContextManager:
+        """A hook body (see `GatedRecorder._gated`): an error is logged once per `where` and skipped
+        (strict: raised)."""
+        return self._gated(lambda exc: self.skipped(where, exc, f"msprobe dump: error in {where}"))
 
     # ---- tensors -----------------------------------------------------------------------
     def _leaf(self, value: Any, name: str) -> Any:
@@ -158,7 +138,7 @@ class CellRecorder:
         try:
             with self._guard("step end"):
                 self.flush()
-            host = np.empty((0, 8))
+            host = empty_rows()
             if self._blocks:
                 host = self.backend.to_host(self.backend.concat(self._blocks))
                 self.transfers += 1

@@ -35,18 +35,26 @@ from typing import Any
 import numpy as np
 
 from msprobe_engine.errors import ConfigError
+from msprobe_engine.dump.recorder import RecorderContext, recorder_class, register_recorder, supported_tasks
 from msprobe_engine.dump.session import DumpSession, check_names
-from msprobe_engine.dump.tasks import require_support
-from msprobe_engine.dump.writer import TENSOR_TASKS, array_crc32
+from msprobe_engine.dump.task import require_support
+from msprobe_engine.dump.writer import array_crc32
 
 log = logging.getLogger("msprobe_engine")
 
-#: the tasks the MindSpore session implements
-MINDSPORE_TASKS = ("statistics", "tensor", "overflow_check", "free_benchmark", "grad_probe")
+FRAMEWORK = "mindspore"
+_CAPTURE = "msprobe_engine.frameworks.mindspore.capture"
+#: the recorder of each task MindSpore implements (imported when a session of that task starts)
+for _task, _recorder in (("statistics", f"{_CAPTURE}.recorder:CellRecorder"),
+                         ("tensor", f"{_CAPTURE}.recorder:CellRecorder"),
+                         ("overflow_check", f"{_CAPTURE}.overflow:OverflowCellRecorder"),
+                         ("free_benchmark", f"{_CAPTURE}.free_benchmark:MindSporeFreeBenchmark"),
+                         ("grad_probe", "msprobe_engine.frameworks.mindspore.grad_probe:MindSporeGradProbe")):
+    register_recorder(FRAMEWORK, _task, _recorder)
+#: the tasks the MindSpore session implements (built in; a plugin's `register_recorder` adds more)
+MINDSPORE_TASKS = supported_tasks(FRAMEWORK)
 #: the tasks that need PYNATIVE_MODE at any level (their hooks do not run in a compiled graph)
 PYNATIVE_TASKS = ("overflow_check", "free_benchmark", "grad_probe")
-#: the recorder attribute that `task_results` shows, per task
-RESULTS = {"overflow_check": "overflows", "free_benchmark": "failed"}
 GRAPH_MODE_WARNING = ("msprobe dump: GRAPH_MODE: Cell hooks do not run in a compiled graph, so no Cell "
                       "entries are dumped; use PYNATIVE_MODE (parameter gradients passed to step() are dumped)")
 
@@ -54,13 +62,13 @@ GRAPH_MODE_WARNING = ("msprobe dump: GRAPH_MODE: Cell hooks do not run in a comp
 class MindSporePrecisionDebugger(DumpSession):
     """A MindSpore dump session; see the module docstring."""
 
-    framework = "mindspore"
+    framework = FRAMEWORK
 
     def __init__(self, *args: Any, params: Any = None, **kwargs: Any) -> None:
         """As `PrecisionDebugger`; `params`: the parameters a gradient tuple given to `step`
         follows (default: the net's `trainable_params()`)."""
         super().__init__(*args, **kwargs)
-        require_support(self.config.task, "MindSpore", MINDSPORE_TASKS)
+        require_support(self.config.task, "MindSpore", supported_tasks(FRAMEWORK))
         if self.config.task == "free_benchmark":
             from msprobe_engine.frameworks.mindspore.capture.free_benchmark import PYTORCH_ONLY
 
@@ -79,8 +87,7 @@ class MindSporePrecisionDebugger(DumpSession):
     def task_results(self) -> list:
         """So far: overflow_check (step, first overflowing call) per step that overflowed;
         free_benchmark the failing outputs (`ResultRow`); else []."""
-        attribute = RESULTS.get(self.config.task)
-        return list(getattr(self._recorder, attribute)) if attribute and self._recorder is not None else []
+        return list(self._recorder.results) if self._recorder is not None else []
 
     def monitor(self, optimizer: Any) -> None:
         """grad_probe (the predecessor's MindSpore call): probe the gradients `optimizer` applies
@@ -103,26 +110,25 @@ class MindSporePrecisionDebugger(DumpSession):
         from msprobe_engine.frameworks.mindspore import backend as mindspore_backend
         from msprobe_engine.frameworks.mindspore.capture.apis import ApiHooks, api_keys, missing_interfaces
         from msprobe_engine.frameworks.mindspore.capture.cells import cell_keys
-        from msprobe_engine.frameworks.mindspore.capture.recorder import CellRecorder
 
         task = self.config.task
+        recorder = recorder_class(FRAMEWORK, task)
         if not isinstance(model, nn.Cell):
-            what = "an optimizer: monitor(optimizer)" if task == "grad_probe" else "a net: pass it to start(net)"
+            what = "an optimizer: monitor(optimizer)" if not recorder.records_calls else "a net: pass it to start(net)"
             raise ConfigError(f"the MindSpore {task} session watches {what} (a mindspore.nn.Cell), "
                               f"got {type(model).__name__}")
         self.rank, world = _rank_and_world()
         self.config.check_ranks(world)
-        apis = self.config.level != "L0" and task != "grad_probe"
+        apis = self.config.level != "L0" and recorder.records_calls
         if (apis or task in PYNATIVE_TASKS) and _graph_mode():
             what = f"task {task!r}" if task in PYNATIVE_TASKS else f"level {self.config.level!r}"
             raise ConfigError(f"{what} needs PYNATIVE_MODE: the context's mode is GRAPH_MODE, "
                               "where no API or Cell call can be watched; call mindspore.set_context(mode="
                               "mindspore.PYNATIVE_MODE) before training" +
                               ("" if task in PYNATIVE_TASKS else ", or use level L0 (parameter gradients)"))
-        if task == "grad_probe":
-            from msprobe_engine.frameworks.mindspore.grad_probe import MindSporeGradProbe
-
-            self._recorder = MindSporeGradProbe(self.config, self.rank, self.writer)
+        ctx = RecorderContext(self.config, self.rank, self.writer, self._emit_tensors, mindspore_backend)
+        if not recorder.records_calls:
+            self._recorder = recorder(ctx)
             self._hooks.append(self._recorder)
             self._hook_model(model)
             return
@@ -131,33 +137,24 @@ class MindSporePrecisionDebugger(DumpSession):
             raise ConfigError(f"level {self.config.level!r} needs interfaces this MindSpore lacks: "
                               f"{', '.join(missing)}; upgrade MindSpore (2.10 is tested) or use level L0")
         check_names(self.config, cell_keys(model), _Keys(api_keys()) if apis else None)
-        if task == "free_benchmark":
-            from msprobe_engine.frameworks.mindspore.capture.free_benchmark import MindSporeFreeBenchmark
-
-            self._recorder = MindSporeFreeBenchmark(self.config, self.rank, self.writer)
-        elif task == "overflow_check":
-            from msprobe_engine.frameworks.mindspore.capture.overflow import OverflowCellRecorder
-
-            self._recorder = OverflowCellRecorder(self.config, mindspore_backend, self._emit_tensors)
-        else:
-            self._recorder = CellRecorder(self.config, mindspore_backend, self._emit_tensors)
+        self._recorder = recorder(ctx)
         if apis:
             self._apis = ApiHooks(self._recorder, self._recorder.gate,
-                                  backward=self._recorder.sel.backward and task != "free_benchmark")
+                                  backward=self._recorder.sel.backward and not recorder.watches_model)
             self._hooks.append(self._apis)
         self._hook_model(model)
 
     def _hook_model(self, model: Any) -> None:
         from msprobe_engine.frameworks.mindspore.capture.cells import DumpCellHooks, parameter_owners
 
-        if self.config.task == "grad_probe":
+        if not self._recorder.records_calls:
             self._recorder.watch(model)
             self._hooked.add(id(model))
             return
         if _graph_mode():
             log.warning(GRAPH_MODE_WARNING)
         sel = self._recorder.sel
-        if self.config.task == "free_benchmark":  # APIs only: no Cell hook
+        if self._recorder.watches_model:  # APIs only (free_benchmark): no Cell hook
             self._apis.hook_primitives(model)
             self._hooked.add(id(model))
             return
@@ -190,7 +187,7 @@ class MindSporePrecisionDebugger(DumpSession):
             self._apis.route_primitives(False)
 
     def _tensor_writers(self) -> tuple[Any, Any]:
-        return (_save_npy if self.config.task in TENSOR_TASKS else None,
+        return (_save_npy if self.config.task_class.saves_tensors else None,
                 array_crc32 if self.config.summary_mode == "md5" else None)
 
     # ---- gradients ------------------------------------------------------------------------

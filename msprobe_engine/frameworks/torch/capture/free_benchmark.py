@@ -33,14 +33,14 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from msprobe_engine.dump.config import DumpConfig
+from msprobe_engine.dump.free_benchmark import FreeBenchmarkRecorder, map_tensors
 from msprobe_engine.dump.free_benchmark_files import NOISE as NOISE_BY_NAME
-from msprobe_engine.dump.free_benchmark_files import (Compared, Judge, ResultRow, report_skipped, tolerance,
-                                                      write_results)
-from msprobe_engine.dump.select import Selection
+from msprobe_engine.dump.free_benchmark_files import Compared, tolerance
+from msprobe_engine.dump.recorder import RecorderContext
 from msprobe_engine.dump.writer import StepData
 from msprobe_engine.frameworks.torch.capture.api import ApiCatalog
 from msprobe_engine.frameworks.torch.capture.backward import in_backward
+from msprobe_engine.stats import empty_rows
 
 HIGHER = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float64}
 BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
@@ -53,13 +53,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_map(v, fn) for v in value)
-    if isinstance(value, dict):
-        return {k: _map(v, fn) for k, v in value.items()}
-    return value
+    return map_tensors(value, torch.Tensor, fn)
 
 
 def _tensors_in(value: Any) -> list[torch.Tensor]:
@@ -165,51 +159,22 @@ def _outputs(value: Any) -> list[tuple[int | None, torch.Tensor]]:
     return []
 
 
-class FreeBenchmark:
-    """The free_benchmark task's handler of the API mode (the session's `_recorder`)."""
+class FreeBenchmark(FreeBenchmarkRecorder):
+    """The PyTorch free_benchmark handler of the API mode."""
 
-    def __init__(self, config: DumpConfig, catalog: ApiCatalog, rank: int | None, writer: Any) -> None:
-        self.config, self.options, self.catalog, self.rank, self.writer = config, config.options, catalog, rank, writer
-        self.sel = Selection(config)
-        self.active = False
-        self.transfers = 0
-        self.hook_errors: dict[str, int] = {}
-        self.judge = Judge(config.options, rank or 0)
-        self._step = 0
+    def __init__(self, ctx: RecorderContext) -> None:
+        super().__init__(ctx, ctx.rank or 0)
+        self.catalog: ApiCatalog = ctx.catalog
         self._busy = False
-        self._reset()
-
-    def _reset(self) -> None:
-        self._counters: dict[str, int] = {}
-        self._pending: list[tuple[str, str, str, int | None, str, torch.Tensor]] = []
-        self.sel.new_step()
-
-    @property
-    def failed(self) -> list[ResultRow]:
-        """Every failing output so far (also written to the CSV)."""
-        return self.judge.failed
-
-    @property
-    def compared(self) -> int:
-        """Outputs compared so far."""
-        return self.judge.compared
-
-    def watch(self, model: Any) -> None:
-        """free_benchmark perturbs APIs (level L1); the model needs no hooks."""
 
     # ---- the API mode's handler ----------------------------------------------------------
     def api_call(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         info = self.catalog.get(func)
         if info is None or not info.dump or not self.active or self._busy or in_backward():
             return func(*args, **kwargs)
-        n = self._counters.get(info.key, 0)  # every call counts, as in the dump: names are the dump's
-        self._counters[info.key] = n + 1
-        name = f"{info.key}.{n}.forward"
-        want = self.sel.want(info.key, name, f"{info.key}.{n}.backward")
-        in_scope = self.sel.begin(name)
-        self.sel.end(name)
+        name, wanted = self._call(info.key)
         index = _target(args)
-        if (not (want.forward and in_scope) or index < 0 or info.prefix == "Distributed"
+        if (not wanted or index < 0 or info.prefix == "Distributed"
                 or info.writes(args, kwargs)):
             return func(*args, **kwargs)
         if self.options.handler_type == "fix":
@@ -227,9 +192,8 @@ class FreeBenchmark:
             with torch._C.DisableTorchFunction():
                 return body(*args)
         except Exception as exc:
-            if self.config.strict:
+            if not self._skip(name, exc):
                 raise
-            report_skipped(self.hook_errors, name, exc)
             return None
         finally:
             self._busy = False
@@ -307,12 +271,9 @@ class FreeBenchmark:
                 ratios = torch.stack([p[-1].to("cpu") for p in pending]).numpy()
             self.transfers += 1
             self._judge(step, pending, ratios)
-        return StepData({}, {}, None, np.empty((0, 8)), write_empty=False)
+        return StepData({}, {}, None, empty_rows(), write_empty=False)
 
     def _judge(self, step: int, pending: list, ratios: np.ndarray) -> None:
         compared = [Compared(name, stage, dtype, f"torch.{dtype}", shape, index)
                     for name, stage, dtype, index, shape, _ in pending]
-        rows = self.judge.rows(step, compared, ratios.tolist())
-        if rows:
-            self.writer.submit(partial(write_results, self.config.dump_path, step, self.rank, rows),
-                               "free_benchmark results")
+        self._submit(step, compared, ratios.tolist())

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from msprobe_engine.dump.entry import TensorSlot
-from msprobe_engine.dump.step_filter import iter_slots, keep_entries
+from msprobe_engine.dump.step_filter import held_items, keep_entries
 from msprobe_engine.dump.writer import StepData
 from msprobe_engine.frameworks.torch.capture.recorder import Recorder
 from msprobe_engine.frameworks.torch.tensor_identity import KnownTensors, version
@@ -63,11 +63,10 @@ class HeldTensorsRecorder(Recorder):
         return kept
 
     def _emit_held(self, data: StepData, names: list[str], held: list) -> None:
-        wanted = {id(slot) for name in names for slot in iter_slots(data.entries[name])}
-        items = []
-        for slot, clone, name in held:
-            if id(slot) in wanted:
-                slot.data_name = f"{name}.pt"
-                items.append((slot, clone.to("cpu")))
+        items = held_items(data, names, held, "pt", _to_cpu)
         if items:
             self.emit_tensors(items)
+
+
+def _to_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to("cpu")

@@ -32,6 +32,10 @@ class LiveCompareRecorder(HeldTensorsRecorder):
         self.divergences: list[tuple[int, str]] = []
         self._missing_warned = False
 
+    @property
+    def results(self) -> list:
+        return self.divergences
+
     def choose(self, step: int, data: StepData, held: list) -> tuple[list[str], dict[str, Any] | None]:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else None
         reference = self.reference.entries(step, rank)

@@ -7,16 +7,14 @@ A clean step writes nothing.
 """
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-from msprobe_engine.dump.step_filter import overflowing
+from msprobe_engine.dump.step_filter import OVERFLOW_SUMMARY_JSON, overflow_summary, overflowing
 from msprobe_engine.dump.writer import StepData
 from msprobe_engine.frameworks.torch.capture.held import HeldTensorsRecorder
 
-log = logging.getLogger("msprobe_engine")
 #: the step's summary: which calls overflowed, the first one first
-SUMMARY_JSON = "overflow_summary.json"
+SUMMARY_JSON = OVERFLOW_SUMMARY_JSON
 
 
 class OverflowRecorder(HeldTensorsRecorder):
@@ -26,13 +24,14 @@ class OverflowRecorder(HeldTensorsRecorder):
         super().__init__(*args, **kwargs)
         self.overflows: list[tuple[int, str]] = []
 
+    @property
+    def results(self) -> list:
+        return self.overflows
+
     def choose(self, step: int, data: StepData, held: list) -> tuple[list[str], dict[str, Any] | None]:
         limit = self.config.options.overflow_nums
         names = overflowing(data.entries, data.host_rows, limit)
         if not names:
             return names, None
         self.overflows.append((step, names[0]))
-        log.warning("msprobe overflow_check: step %d: %d call(s) with nan/inf dumped; the first is %s",
-                    step, len(names), names[0])
-        return names, {SUMMARY_JSON: {"step": step, "overflow_nums": limit, "first_overflow": names[0],
-                                      "overflowed": names}}
+        return names, overflow_summary(step, names, limit)

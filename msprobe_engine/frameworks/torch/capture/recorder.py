@@ -34,8 +34,8 @@ from msprobe_engine.frameworks.torch.capture.api import (ApiCatalog, ApiInfo, ri
 from msprobe_engine.frameworks.torch.capture.call_shape import as_called
 from msprobe_engine.frameworks.torch.capture.backward import GradCall, after_call, before_call, in_backward
 from msprobe_engine.frameworks.torch.capture.checksum import checksum_text, fold, xor_words
-from msprobe_engine.dump.config import DumpConfig
 from msprobe_engine.dump.entry import UNHANDLED, TensorSlot, describe
+from msprobe_engine.dump.recorder import DumpRecorder, RecorderContext
 from msprobe_engine.dump.select import Selection, Want
 from msprobe_engine.frameworks.torch.capture.stat_buffer import StatBuffer
 from msprobe_engine.dump.writer import StepData, array_crc32
@@ -144,23 +144,22 @@ class _Guard:
         return isinstance(exc, Exception) and self.recorder._failed(self.where, self.name, exc)
 
 
-class Recorder:
+class Recorder(DumpRecorder):
     """Collects one step at a time; `active` is switched by the session (start/stop)."""
 
-    def __init__(self, config: DumpConfig, backend: Any, catalog: ApiCatalog,
-                 emit_tensors: Callable[[TensorItems], None], operators: Any = None) -> None:
-        """`operators`: the `OperatorNames` telling ``x + y`` (``Tensor.__add__``) from ``x.add(y)``."""
-        self.config = config
-        self.operators = operators
+    def __init__(self, ctx: RecorderContext) -> None:
+        """`ctx.operators`: the `OperatorNames` telling ``x + y`` (``Tensor.__add__``) from ``x.add(y)``."""
+        super().__init__(ctx)
+        config = ctx.config
+        self.operators = ctx.operators
         self.sel = Selection(config)
-        self.stats = StatBuffer(backend)
-        self.catalog = catalog
-        self.emit_tensors = emit_tensors
+        self.stats = StatBuffer(ctx.backend)
+        self.catalog: ApiCatalog = ctx.catalog
+        self.emit_tensors = ctx.emit_tensors
         self.save_tensors = config.task == "tensor"
         self.copies = self.save_tensors or config.summary_mode == "md5"
         self.xor = config.summary_mode == "xor"  # on-device checksums, read with the statistics
         self.active = False
-        self.hook_errors: dict[str, int] = {}
         self._lock = threading.RLock()
         self._step_id = 0
         self._reset()
@@ -213,14 +212,7 @@ class Recorder:
 
     def _failed(self, where: str, name: str, exc: Exception) -> bool:
         """Record a hook error; True when it is swallowed (not strict)."""
-        if self.config.strict:
-            return False
-        count = self.hook_errors.get(where, 0)
-        self.hook_errors[where] = count + 1
-        if count == 0:
-            log.error("msprobe dump: error in %s %s: %s: %s; it is reported once and skipped",
-                      where, name, type(exc).__name__, exc)
-        return True
+        return self.skipped(where, exc, f"msprobe dump: error in {where} {name}")
 
     # ---- tensors -----------------------------------------------------------------------
     def _read_checksums(self) -> None:

@@ -12,59 +12,56 @@ import torch
 import torch.distributed as dist
 
 from msprobe_engine.errors import ConfigError
+from msprobe_engine.dump.recorder import RecorderContext, recorder_class, register_recorder, supported_tasks
 from msprobe_engine.dump.session import DumpSession, check_names
-from msprobe_engine.dump.tasks import require_support
-from msprobe_engine.dump.writer import TENSOR_TASKS
+from msprobe_engine.dump.task import require_support
 from msprobe_engine.frameworks.torch import backend as torch_backend
 from msprobe_engine.frameworks.torch.capture.api import ApiCatalog, ApiMode, push_mode, remove_mode
-from msprobe_engine.frameworks.torch.capture.free_benchmark import FreeBenchmark
-from msprobe_engine.frameworks.torch.capture.live_compare import LiveCompareRecorder
 from msprobe_engine.frameworks.torch.capture.operators import OperatorNames
 from msprobe_engine.frameworks.torch.capture.modules import DumpModuleHooks, module_keys
-from msprobe_engine.frameworks.torch.capture.overflow import OverflowRecorder
-from msprobe_engine.frameworks.torch.capture.recorder import Recorder, tensor_crc32
-from msprobe_engine.frameworks.torch.grad_probe import GradProbe
+from msprobe_engine.frameworks.torch.capture.recorder import tensor_crc32
 
-#: the tasks the PyTorch session implements
-TORCH_TASKS = ("statistics", "tensor", "overflow_check", "grad_probe", "free_benchmark", "diff_check")
-#: tasks whose `_hook_model` is their own `watch(model)` (no module hooks)
-NO_MODULE_TASKS = ("grad_probe", "free_benchmark")
-#: the recorder of each task that records calls like the dump (the default: `Recorder`)
-RECORDERS = {"overflow_check": OverflowRecorder, "diff_check": LiveCompareRecorder}
-#: the recorder attribute that `task_results` shows, per task
-RESULTS = {"overflow_check": "overflows", "diff_check": "divergences", "free_benchmark": "failed"}
+FRAMEWORK = "pytorch"
+_CAPTURE = "msprobe_engine.frameworks.torch.capture"
+#: the recorder of each task PyTorch implements (imported when a session of that task starts)
+for _task, _recorder in (("statistics", f"{_CAPTURE}.recorder:Recorder"), ("tensor", f"{_CAPTURE}.recorder:Recorder"),
+                         ("overflow_check", f"{_CAPTURE}.overflow:OverflowRecorder"),
+                         ("grad_probe", "msprobe_engine.frameworks.torch.grad_probe:GradProbe"),
+                         ("free_benchmark", f"{_CAPTURE}.free_benchmark:FreeBenchmark"),
+                         ("diff_check", f"{_CAPTURE}.live_compare:LiveCompareRecorder")):
+    register_recorder(FRAMEWORK, _task, _recorder)
+#: the tasks the PyTorch session implements (built in; a plugin's `register_recorder` adds more)
+TORCH_TASKS = supported_tasks(FRAMEWORK)
 
 
 class PrecisionDebugger(DumpSession):
     """The PyTorch dump session (L0 modules, L1 APIs, mix) and the debugger tasks
     (overflow_check, grad_probe, free_benchmark, diff_check; see `msprobe_engine.dump.tasks`)."""
 
-    framework = "pytorch"
+    framework = FRAMEWORK
 
     # ---- set-up ------------------------------------------------------------------------
     def _setup(self, model: Any) -> None:
         task = self.config.task
-        require_support(task, "PyTorch", TORCH_TASKS)
+        require_support(task, "PyTorch", supported_tasks(FRAMEWORK))
+        recorder = recorder_class(FRAMEWORK, task)
         self._operators: OperatorNames | None = None
-        if self.config.level in ("L0", "mix") and model is None and task not in NO_MODULE_TASKS:
+        if self.config.level in ("L0", "mix") and model is None and not recorder.watches_model:
             raise ConfigError(f"level {self.config.level} dumps modules: pass the model, start(model)")
         self.rank, world = _rank_and_world()
         self.config.check_ranks(world)
-        if task == "grad_probe":
-            self._recorder = GradProbe(self.config, self.rank, self.writer)
+        ctx = RecorderContext(self.config, self.rank, self.writer, self._emit_tensors, torch_backend)
+        if not recorder.records_calls:
+            self._recorder = recorder(ctx)
             self._hooks.append(self._recorder)
             if model is not None:
                 self._hook_model(model)
             return
-        catalog = ApiCatalog()
-        modules = module_keys(model) if model is not None and task not in NO_MODULE_TASKS else {}
-        check_names(self.config, modules, catalog)
-        self._operators = OperatorNames() if self.config.level in ("L1", "mix") else None
-        if task == "free_benchmark":
-            self._recorder = FreeBenchmark(self.config, catalog, self.rank, self.writer)
-        else:
-            recorder = RECORDERS.get(task, Recorder)
-            self._recorder = recorder(self.config, torch_backend, catalog, self._emit_tensors, self._operators)
+        ctx.catalog = ApiCatalog()
+        modules = module_keys(model) if model is not None and not recorder.watches_model else {}
+        check_names(self.config, modules, ctx.catalog)
+        self._operators = ctx.operators = OperatorNames() if self.config.level in ("L1", "mix") else None
+        self._recorder = recorder(ctx)
         self._mode = ApiMode(self._recorder.api_call)
         if model is not None:
             self._hook_model(model)
@@ -80,11 +77,10 @@ class PrecisionDebugger(DumpSession):
     def task_results(self) -> list:
         """So far: overflow_check (step, first overflowing call) per step that overflowed; diff_check
         (step, first divergent call); free_benchmark the failing outputs (`ResultRow`); else []."""
-        attribute = RESULTS.get(self.config.task)
-        return list(getattr(self._recorder, attribute)) if attribute and self._recorder is not None else []
+        return list(self._recorder.results) if self._recorder is not None else []
 
     def _hook_model(self, model: Any) -> None:
-        if self.config.task in NO_MODULE_TASKS:
+        if self._recorder.watches_model:
             self._recorder.watch(model)
         elif self.config.level in ("L0", "mix"):
             self._hooks.append(DumpModuleHooks(self._recorder, model))
@@ -111,7 +107,7 @@ class PrecisionDebugger(DumpSession):
 
     def _tensor_writers(self) -> tuple[Any, Any]:
         """(save a tensor copy to a path, or None; its checksum, or None) as the config asks."""
-        return (_torch_save if self.config.task in TENSOR_TASKS else None,
+        return (_torch_save if self.config.task_class.saves_tensors else None,
                 tensor_crc32 if self.config.summary_mode == "md5" else None)
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from msprobe_engine.frameworks.torch.tensor_identity import KnownTensors, version
+from msprobe_engine.stats import empty_rows
 
 log = logging.getLogger("msprobe_engine")
 
@@ -111,7 +112,7 @@ class StatBuffer:
         """Every row of the step as one float64 array: the step's one device-to-host copy."""
         self.flush()
         if not self._blocks:
-            return np.empty((0, 8))
+            return empty_rows()
         host = self.backend.to_host(self.backend.concat(self._blocks))
         self.transfers += 1
         return host
