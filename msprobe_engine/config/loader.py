@@ -24,6 +24,7 @@ from msprobe_engine.config.errors import ConfigError
 from msprobe_engine.config.fields import INT_LIMIT
 from msprobe_engine.config.legacy import LEGACY_KEYS, translate_legacy
 from msprobe_engine.config.schema import MonitorConfig
+from msprobe_engine.config.yaml_bounded import load_yaml
 
 #: mappings and lists nested deeper than this are refused (no config needs more)
 MAX_DEPTH = 32
@@ -64,10 +65,12 @@ def load_config(source: ConfigSource = None) -> MonitorConfig:
 def read_file(path: Path) -> dict:
     """Parse a JSON or YAML file into a dict, naming the file on any problem."""
     if not path.is_file():
-        raise ConfigError(f"{path}: config file not found")
+        raise ConfigError(f"{path}: config file not found" if not path.exists() else f"{path}: not a regular file")
     try:
         text = path.read_text(encoding="utf-8")
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        if not text.strip():
+            raise ConfigError(f"{path}: the file is empty (write {{}} for every default)")
+        data = json.loads(text) if path.suffix == ".json" else load_yaml(text)
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read: {exc}") from None
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
