@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import stat
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
@@ -101,6 +103,31 @@ def _switches(value: Any, section: str, allowed: set[str], errors: list[str]) ->
     return off
 
 
+def read_control_text(path: Path) -> str | None:
+    """The text of the control file, None when there is none. Only a regular file is read
+    (a FIFO, a device such as /dev/zero behind a link, a directory: an OSError), opened
+    without blocking and read to at most `MAX_BYTES` (more: an OSError)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path}: not a regular file")
+        chunks, size = [], 0
+        while size <= MAX_BYTES:
+            chunk = os.read(fd, MAX_BYTES + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > MAX_BYTES:
+            raise OSError(f"{path}: larger than {MAX_BYTES} bytes")
+        return b"".join(chunks).decode("utf-8")
+    finally:
+        os.close(fd)
+
+
 class ControlFile:
     """Polls a control file for one monitor (`poll` at every step boundary). `rules`: the
     monitor's rule objects (switched through their `enabled`)."""
@@ -136,16 +163,17 @@ class ControlFile:
         (a file that went away says {}: back to the config)."""
         try:
             try:
-                if self.path.stat().st_size > MAX_BYTES:
-                    raise OSError(f"larger than {MAX_BYTES} bytes")
-                text = self.path.read_text(encoding="utf-8")
-            except FileNotFoundError:
-                text = None
+                text = read_control_text(self.path)
+            except (OSError, UnicodeDecodeError) as exc:
+                text = f"\0error: {str(exc)[:200]}"  # an unreadable file is reported once, until it changes
             if text == self._seen:
                 return
             self._seen = text
-            self._read = ("ok", {}) if text is None else ("ok", json.loads(text))
-        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+            if text is not None and text.startswith("\0error: "):
+                self._read = ("error", f"cannot read: {text[8:]}")
+            else:
+                self._read = ("ok", {}) if text is None else ("ok", json.loads(text))
+        except (ValueError, RecursionError) as exc:
             self._read = ("error", f"cannot read: {str(exc)[:200]}")
         finally:
             self._reading = False
