@@ -47,7 +47,7 @@ from msprobe_engine.control import CONTROL_NAME, ControlFile
 from msprobe_engine.rules import AlertTracker, Firing, build_rules
 from msprobe_engine.run_dir import open_run_dir
 from msprobe_engine.sinks import BackgroundWriter, create_sinks
-from msprobe_engine.state import STATE_VERSION, check_state
+from msprobe_engine.state import STATE_VERSION, check_state, restore
 from msprobe_engine.stats import divide, empty_rows, numpy_backend, optional_columns
 from msprobe_engine.stats.metrics import MetricNamer
 from msprobe_engine.stats.table import MetricKey, StatTable
@@ -356,17 +356,17 @@ class Monitor(StepLifecycle):
         """Restore what `state_dict` returned: the run goes on from the saved step with the same
         rule state (running averages, open episodes) and incident counters."""
         check_state(state, [rule.name for rule in self._rules])
-        self.step = int(state["step"])
+        restore([(f"rules[{i}] ({rule.name}).state", functools.partial(rule.load_state_dict, saved.get("state", {})))
+                 for i, (rule, saved) in enumerate(zip(self._rules, state["rules"]))]
+                + [("episodes", functools.partial(self._tracker.load_state_dict, state["episodes"])),
+                   ("episodes", lambda: self._health.restore([(f.rule, f.tag) for f in self._tracker.open_episodes()]))]
+                + ([("incidents", functools.partial(self.incidents.load_state_dict, state["incidents"]))]
+                   if self.incidents is not None and state.get("incidents") else []))
+        self.step = state["step"]
         self.micro_steps = 0
         self._optimizer_done = False
         self.active = self.config.schedule.is_monitored(self.step)
-        for rule, saved in zip(self._rules, state["rules"]):
-            rule.load_state_dict(saved["state"])
-        self._tracker.load_state_dict(state["episodes"])
-        self._health.restore([(first.rule, first.tag) for first in self._tracker.open_episodes()])
-        if self.incidents is not None and state.get("incidents"):
-            self.incidents.load_state_dict(state["incidents"])
-        self.records_written = int(state.get("records_written", 0))
+        self.records_written = state.get("records_written", 0)
 
     def drain(self) -> None:
         """Emit the records still held back (early-decision mode keeps a step's record until
