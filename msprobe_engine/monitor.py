@@ -143,9 +143,21 @@ class Monitor(StepLifecycle):
         #: `run_step`); None: when they live on an accelerator
         self.read_late: bool | None = None
         self._host_since = time.perf_counter()
-        saved = self.run.saved_state()
-        if saved is not None:
-            self.load_state_dict(saved)
+        self._resume(start_step)
+
+    def _resume(self, start_step: int) -> None:
+        """Continue a resumed run: from its saved state, else after its last recorded step.
+        A refusal gives the run directory's lock back before it raises."""
+        try:
+            saved = self.run.saved_state()
+            if saved is not None:
+                self.load_state_dict(saved)
+            elif self.run.resumed:
+                self.step = max(start_step, self.run.next_step_from_records())
+                self.active = self.config.schedule.is_monitored(self.step)
+        except BaseException:
+            self.run.release()
+            raise
 
     # ---- wiring -----------------------------------------------------------------
     def attach(self, model: Any, optimizer: Any = None) -> "Monitor":
@@ -337,6 +349,7 @@ class Monitor(StepLifecycle):
         with self.guard("close"):
             self.detach()
         self.writer.close()
+        self.run.release()
 
     # ---- state ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
