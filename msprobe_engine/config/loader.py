@@ -252,6 +252,8 @@ def _scalar(hint: type, value: Any, path: str, meta: typing.Mapping) -> Any:
         raise ConfigError(f"{path}: expected {hint.__name__}, got {_show(value)}")
     if hint in (int, float):
         _check_number(value, path, hint)
+    if meta.get("path"):
+        _check_path(value, path)
     if meta.get("regex"):
         try:
             re.compile(value)
@@ -267,6 +269,22 @@ def _scalar(hint: type, value: Any, path: str, meta: typing.Mapping) -> Any:
     if "max" in meta and value > meta["max"]:
         raise ConfigError(f"{path}: {value!r} is above the maximum {meta['max']}")
     return value
+
+
+#: the longest path, and path component, a POSIX file system takes (bytes)
+PATH_MAX, NAME_MAX = 4096, 255
+
+
+def _check_path(value: str, path: str) -> None:
+    """A path the file system can take: no NUL, at most PATH_MAX bytes, NAME_MAX per component."""
+    if "\0" in value:
+        raise ConfigError(f"{path}: {_show(value)} contains a NUL character")
+    raw = value.encode("utf-8", "surrogateescape")
+    if len(raw) > PATH_MAX:
+        raise ConfigError(f"{path}: a path of {len(raw)} bytes (at most {PATH_MAX})")
+    longest = max(raw.split(b"/"), key=len)
+    if len(longest) > NAME_MAX:
+        raise ConfigError(f"{path}: a path component of {len(longest)} bytes (at most {NAME_MAX})")
 
 
 def _check_number(value: float, path: str, hint: type) -> None:
