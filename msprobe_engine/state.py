@@ -26,7 +26,7 @@ def check_state(state: Any, rules: list[str]) -> None:
     if not isinstance(state, dict) or "version" not in state:
         raise ConfigError(f"monitor state: expected the dict of Monitor.state_dict(), got {type(state).__name__}")
     if state["version"] != STATE_VERSION:
-        raise ConfigError(f"monitor state: version {_show(state['version'])} is not supported (this release reads "
+        raise ConfigError(f"monitor state: version {str(state['version'])[:40]} is not supported (this release reads "
                           f"version {STATE_VERSION})")
     for key in ("step", "records_written"):
         value = state.get(key, 0)

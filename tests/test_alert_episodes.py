@@ -156,3 +156,35 @@ def test_one_nan_under_run_step_is_one_non_finite_episode(tmp_path):
     events = [(e.rule, e.phase, e.step) for e in monitor.alert_log]
     assert [e for e in events if e[1] == "start"] == [("non_finite", "start", 5)], events
     assert len([e for e in events if e[1] == "end"]) == 1, events
+
+
+def test_a_trend_blames_the_growing_rows_even_below_3x_their_average():
+    """A steady growth (x1.15 a step) is never 3x its running average on one step: the rows
+    the trend fired on are blamed, so its incident names a culprit."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from msprobe_engine.rules.trend import TrendRule
+    from msprobe_engine.stats.table import MetricKey
+
+    rule = TrendRule(TrendRule.Config(rule="trend"))
+    firing = []
+    for step in range(25):
+        firing = rule.evaluate(None, None, {"grad/fc.weight/norm": 1.15 ** step, "grad/fc.bias/norm": 1.0})
+    assert firing and firing[0].tag == "grad/fc.weight/norm"
+    table = SimpleNamespace(keys=[MetricKey("grad", "fc.bias", ""), MetricKey("grad", "fc.weight", "")])
+    assert rule.blame(table, np.array([1.0, 1.2])).tolist() == [False, True]
+
+
+def test_a_trend_incident_names_a_culprit(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(INPUTS, 1))
+    optimizer = torch.optim.SGD(model.parameters(), 0.05)
+    config = shipped_config(tmp_path, sinks=[], incidents={"enabled": True, "replay": {"enabled": False}})
+    monitor = Monitor(config).attach(model, optimizer)
+    train(model, monitor, 200, optimizer, lr_at={60: 1.3}, teacher=Teacher())
+    monitor.close()
+    trend = [i for i in monitor.incidents.incidents if i.report["rule"] == "trend"]
+    assert trend and trend[0].report["culprit"] is not None, [i.report["culprit"] for i in trend]
+    assert trend[0].report["culprit"]["first_bad"].startswith(("grad/", "actv/"))
