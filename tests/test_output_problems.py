@@ -37,12 +37,17 @@ def test_an_output_dir_that_cannot_be_written_is_named_with_the_reason():
 
 
 @pytest.mark.slow  # spawns a process
+def _full_disk_run(out, limit: int) -> subprocess.CompletedProcess:
+    """tests/full_disk_run.py in a child whose files cannot grow past `limit` bytes."""
+    return subprocess.run([sys.executable, str(TESTS / "full_disk_run.py"), str(out), str(limit)],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1",
+                               "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])})
+
+
 def test_a_full_disk_is_counted_per_sink_without_tracebacks_or_half_lines(tmp_path):
     out = tmp_path / "out"
-    child = subprocess.run([sys.executable, str(TESTS / "full_disk_run.py"), str(out), "20000"],
-                           capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "OMP_NUM_THREADS": "1",
-                                "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])})
+    child = _full_disk_run(out, 20000)
     assert child.returncode == 0, child.stderr
     assert "Traceback" not in child.stderr, child.stderr
     result = json.loads(child.stdout.splitlines()[-1])
@@ -88,10 +93,7 @@ def test_a_full_disk_leaves_whole_csv_steps_and_whole_event_records(tmp_path):
     from msprobe_engine.sinks.tb_records import whole_frames_size
 
     out = tmp_path / "out"
-    child = subprocess.run([sys.executable, str(TESTS / "full_disk_run.py"), str(out), "30000"],
-                           capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "OMP_NUM_THREADS": "1",
-                                "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])})
+    child = _full_disk_run(out, 30000)
     assert child.returncode == 0 and "Traceback" not in child.stderr, child.stderr
     failures = json.loads(child.stdout.splitlines()[-1])["failures"]
     rank = out / "rank0"
