@@ -141,7 +141,7 @@ class ControlFile:
         self.watched = watched_kinds(watch)
         self.current = Control()
         self._last_poll = time.monotonic()
-        self._seen: str | None = None       # the text of the last read (None: no file)
+        self._seen: tuple[str, str | None] = ("ok", None)  # the last read: its text (None: no file) or error
         self._reading = False
         self._read: Any = None              # what the writer thread read: ("ok", data) | ("error", msg)
 
@@ -163,16 +163,14 @@ class ControlFile:
         (a file that went away says {}: back to the config)."""
         try:
             try:
-                text = read_control_text(self.path)
-            except (OSError, UnicodeDecodeError) as exc:
-                text = f"\0error: {str(exc)[:200]}"  # an unreadable file is reported once, until it changes
-            if text == self._seen:
+                seen = ("ok", read_control_text(self.path))
+            except (OSError, UnicodeDecodeError) as exc:  # reported once, until the file or the error changes
+                seen = ("error", f"cannot read: {str(exc)[:200]}")
+            if seen == self._seen:
                 return
-            self._seen = text
-            if text is not None and text.startswith("\0error: "):
-                self._read = ("error", f"cannot read: {text[8:]}")
-            else:
-                self._read = ("ok", {}) if text is None else ("ok", json.loads(text))
+            self._seen = seen
+            status, text = seen
+            self._read = seen if status == "error" else ("ok", {} if text is None else json.loads(text))
         except (ValueError, RecursionError) as exc:
             self._read = ("error", f"cannot read: {str(exc)[:200]}")
         finally:
