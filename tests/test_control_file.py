@@ -163,6 +163,7 @@ def test_an_unreadable_control_file_is_reported_once_until_it_changes(tmp_path, 
         for _ in range(5):
             take_effect(monitor)
         assert len(_warnings(caplog)) == 1
+        monitor.writer.flush()  # no look in flight while the file is rewritten (it could read it half-written)
         write(tmp_path, "{not json")  # changed: reported again, once
         for _ in range(3):
             take_effect(monitor)
