@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from msprobe_engine.dump.reader import DumpError
+from msprobe_engine.cli_input import NothingToCheck, bounded_int, finite_float, run_verb, safe_streams
 
 
 class Verb(NamedTuple):
@@ -39,7 +39,7 @@ def _analyze_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dump", help="a rank directory (with dump.json; rank<N>, proc<pid> or rank) or a dump root with step*/ below")
     p.add_argument("--rules", action="append", default=[], metavar="YAML",
                    help="extra ignore rules (same layout as the packaged ignore_rules.yaml); repeatable")
-    p.add_argument("--mutation-ratio", type=float, default=MUTATION_RATIO,
+    p.add_argument("--mutation-ratio", type=finite_float(0.0, above=True), default=MUTATION_RATIO,
                    help="output Norm above this many times the input Norm is a numerical mutation "
                         f"(default {MUTATION_RATIO:g})")
     p.add_argument("--json", metavar="PATH", help="also write the result as JSON ('-' prints it instead of the table)")
@@ -62,7 +62,7 @@ def _analyze_run(args: argparse.Namespace) -> int:
 def _tensorboard_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--logdir", required=True, help="an output_dir (every run in it) or one run directory")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=6006)
+    p.add_argument("--port", type=bounded_int(0, 65535), default=6006)
 
 
 def _tensorboard_run(args: argparse.Namespace) -> int:
@@ -81,9 +81,9 @@ def _threshold(text: str) -> tuple[str, float]:
     if name not in names:
         raise argparse.ArgumentTypeError(f"unknown threshold {name!r}; one of {', '.join(names)}")
     try:
-        return name, float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"threshold {name}: {value!r} is not a number") from None
+        return name, finite_float(0.0)(value)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"threshold {name}: {exc}") from None
 
 
 def _compare_arguments(p: argparse.ArgumentParser) -> None:
@@ -100,8 +100,8 @@ def _compare_arguments(p: argparse.ArgumentParser) -> None:
                         "stat_rel_error, stat_rel_warning); repeatable")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="dumps: progress line on stderr (default: only on a terminal)")
-    p.add_argument("--rtol", type=float, default=RTOL, help=f"runs: relative tolerance (default {RTOL:g})")
-    p.add_argument("--atol", type=float, default=ATOL, help=f"runs: absolute tolerance (default {ATOL:g})")
+    p.add_argument("--rtol", type=finite_float(0.0), default=RTOL, help=f"runs: relative tolerance (default {RTOL:g})")
+    p.add_argument("--atol", type=finite_float(0.0), default=ATOL, help=f"runs: absolute tolerance (default {ATOL:g})")
     p.add_argument("--json", metavar="PATH", help="also write the summary as JSON ('-' for stdout)")
 
 
@@ -127,6 +127,9 @@ def _compare_runs_run(args: argparse.Namespace) -> int:
     from msprobe_engine.analysis.runs import compare_runs
 
     result = compare_runs(args.a, args.b, rtol=args.rtol, atol=args.atol)
+    if not result.steps_compared:
+        raise NothingToCheck(f"{args.a} and {args.b}: no step recorded in both runs, nothing compared"
+                             + "".join(f"; {p}" for p in result.problems[:3]))
     if args.json != "-":
         print(format_runs(result))
     if args.json:
@@ -263,8 +266,11 @@ def _free_benchmark_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _free_benchmark_run(args: argparse.Namespace) -> int:
-    from msprobe_engine.analysis.free_benchmark import format_failures, summarize
+    from msprobe_engine.analysis.free_benchmark import RESULT_CSV, format_failures, result_files, summarize
 
+    if not result_files(args.dump):
+        raise NothingToCheck(f"{args.dump}: no {RESULT_CSV} here nor in step*/*/ (not a free_benchmark dump_path): "
+                             "nothing checked")
     failures = summarize(args.dump)
     if args.json != "-":
         print(format_failures(failures))
@@ -294,8 +300,8 @@ def _run_ut_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--online", action="store_true",
                    help="online: run the checker server; training processes send their API calls to it")
     p.add_argument("--host", help="online: address to listen on (default 127.0.0.1, or run_ut.host)")
-    p.add_argument("--port", type=int, help="online: TCP port (default run_ut.port; 0 picks a free one)")
-    p.add_argument("--queue-size", type=int, default=256, help="online: calls held waiting for the benchmark")
+    p.add_argument("--port", type=bounded_int(0, 65535), help="online: TCP port (default run_ut.port; 0 picks a free one)")
+    p.add_argument("--queue-size", type=bounded_int(1, 1 << 20), default=256, help="online: calls held waiting for the benchmark")
     p.add_argument("--tls-path", metavar="DIR", help="online: serve TLS with DIR/server.crt and DIR/server.key")
     p.add_argument("--nfs-path", metavar="DIR", help="online: watch this shared directory instead of a TCP port")
 
@@ -379,18 +385,20 @@ VERBS: dict[str, Verb] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="msprobe-engine", description=__doc__.splitlines()[0])
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show the traceback of an error instead of one line")
+    parser = argparse.ArgumentParser(prog="msprobe-engine", description=__doc__.splitlines()[0], parents=[debug])
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     for name, verb in VERBS.items():
-        verb.add_arguments(sub.add_parser(name, help=verb.help, description=verb.help))
+        verb.add_arguments(sub.add_parser(name, help=verb.help, description=verb.help, parents=[debug]))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one verb; exit code 0 on success, 1 when an input cannot be used, 2 on bad arguments."""
+    """Run one verb; exit code 0 on success, 1 when an input cannot be used or holds nothing
+    to check, 2 on bad arguments (argparse exits with it). One line on stderr, no traceback
+    unless ``--debug``."""
+    safe_streams()
     args = build_parser().parse_args(argv)
-    try:
-        return VERBS[args.verb].run(args)
-    except (DumpError, OSError, ValueError, RuntimeError) as e:
-        print(f"msprobe-engine {args.verb}: error: {e}", file=sys.stderr)
-        return 1
+    return run_verb(args.verb, VERBS[args.verb].run, args, debug=getattr(args, "debug", False))

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import stat
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
@@ -101,6 +103,31 @@ def _switches(value: Any, section: str, allowed: set[str], errors: list[str]) ->
     return off
 
 
+def read_control_text(path: Path) -> str | None:
+    """The text of the control file, None when there is none. Only a regular file is read
+    (a FIFO, a device such as /dev/zero behind a link, a directory: an OSError), opened
+    without blocking and read to at most `MAX_BYTES` (more: an OSError)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path}: not a regular file")
+        chunks, size = [], 0
+        while size <= MAX_BYTES:
+            chunk = os.read(fd, MAX_BYTES + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > MAX_BYTES:
+            raise OSError(f"{path}: larger than {MAX_BYTES} bytes")
+        return b"".join(chunks).decode("utf-8")
+    finally:
+        os.close(fd)
+
+
 class ControlFile:
     """Polls a control file for one monitor (`poll` at every step boundary). `rule_names`: the
     monitor's rules (the file may switch them off and on)."""
@@ -114,7 +141,7 @@ class ControlFile:
         self.watched = watched_kinds(watch)
         self.current = Control()
         self._last_poll = time.monotonic()
-        self._seen: str | None = None       # the text of the last read (None: no file)
+        self._seen: tuple[str, str | None] = ("ok", None)  # the last read: its text (None: no file) or error
         self._reading = False
         self._read: Any = None              # what the writer thread read: ("ok", data) | ("error", msg)
 
@@ -148,16 +175,15 @@ class ControlFile:
         (a file that went away says {}: back to the config)."""
         try:
             try:
-                if self.path.stat().st_size > MAX_BYTES:
-                    raise OSError(f"larger than {MAX_BYTES} bytes")
-                text = self.path.read_text(encoding="utf-8")
-            except FileNotFoundError:
-                text = None
-            if text == self._seen:
+                seen = ("ok", read_control_text(self.path))
+            except (OSError, UnicodeDecodeError) as exc:  # reported once, until the file or the error changes
+                seen = ("error", f"cannot read: {str(exc)[:200]}")
+            if seen == self._seen:
                 return
-            self._seen = text
-            self._read = ("ok", {}) if text is None else ("ok", json.loads(text))
-        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+            self._seen = seen
+            status, text = seen
+            self._read = seen if status == "error" else ("ok", {} if text is None else json.loads(text))
+        except (ValueError, RecursionError) as exc:
             self._read = ("error", f"cannot read: {str(exc)[:200]}")
         finally:
             self._reading = False

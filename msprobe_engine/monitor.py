@@ -46,7 +46,7 @@ from msprobe_engine.steps.measure import Measurer
 from msprobe_engine.steps.outputs import open_outputs
 from msprobe_engine.steps.pipeline import StepPipeline
 from msprobe_engine.steps.replay import ReplayDriver, replayable
-from msprobe_engine.steps.state import load_state, save_state
+from msprobe_engine.steps.state import load_state, resume, save_state
 from msprobe_engine.steps.wiring import Wiring
 
 
@@ -126,9 +126,7 @@ class Monitor(StepLifecycle):
                                  self.tensor_meta if self.incidents is not None else None, self.wiring.find_backend)
         #: `StepLifecycle.add_tensors`, the hot path: the measurer's own method, no call in between
         self.add_tensors = self._measure.add
-        saved = self.run.saved_state()
-        if saved is not None:
-            self.load_state_dict(saved)
+        resume(self.pipeline, self.run, start_step)
 
     # ---- the parts' state, as attributes -------------------------------------------------
     step = _part("clock", "step", "The current optimizer step.")
@@ -251,6 +249,7 @@ class Monitor(StepLifecycle):
         with self.guard("close"):
             self.detach()
         self.writer.close()
+        self.run.release()
 
     # ---- state ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

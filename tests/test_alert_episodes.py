@@ -118,3 +118,73 @@ def test_the_trend_rule_warns_before_the_first_non_finite_value(tmp_path, trend)
     assert trend_starts and non_finite, events
     assert 60 < trend_starts[0] < first_bad <= non_finite[0]
     assert math.isfinite(next(e for e in events if e.rule == "trend").value)
+
+
+def test_one_nan_under_run_step_is_one_non_finite_episode(tmp_path):
+    """The nan shows in the activations before the optimizer step and, once the step applied
+    it, in the parameters and the optimizer state: one event, one start and one end."""
+    import torch
+
+    from health_models import Faults, Teacher, build
+    from msprobe_engine.monitor import Monitor
+
+    model = build()
+    optimizer = torch.optim.SGD(model.parameters(), 1e-2)
+    faults = Faults(model, {5: ("blocks.1.fc", "nan")})
+    monitor = Monitor({"output_dir": str(tmp_path), "sinks": [], "incidents": {"enabled": True},
+                       "alerts": [{"rule": "non_finite"}], "watch": {"params": True}}).attach(model, optimizer)
+    teacher = Teacher()
+
+    def step(x, y):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()  # applied: the nan reaches the weights
+        return loss
+
+    for n in range(8):
+        faults.step = n
+        loss = monitor.run_step(step, *teacher.batch())
+        monitor.step_end(loss)
+    with torch.no_grad():  # a clean model again: the episode can end
+        for p, fresh in zip(model.parameters(), build().parameters()):
+            p.copy_(fresh)
+    for n in range(8, 11):
+        faults.step = n
+        monitor.step_end(monitor.run_step(step, *teacher.batch()))
+    monitor.close()
+    events = [(e.rule, e.phase, e.step) for e in monitor.alert_log]
+    assert [e for e in events if e[1] == "start"] == [("non_finite", "start", 5)], events
+    assert len([e for e in events if e[1] == "end"]) == 1, events
+
+
+def test_a_trend_blames_the_growing_rows_even_below_3x_their_average():
+    """A steady growth (x1.15 a step) is never 3x its running average on one step: the rows
+    the trend fired on are blamed, so its incident names a culprit."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from msprobe_engine.rules.trend import TrendRule
+    from msprobe_engine.stats.table import MetricKey
+
+    rule = TrendRule(TrendRule.Config(rule="trend"))
+    firing = []
+    for step in range(25):
+        firing = rule.evaluate(None, None, {"grad/fc.weight/norm": 1.15 ** step, "grad/fc.bias/norm": 1.0})
+    assert firing and firing[0].tag == "grad/fc.weight/norm"
+    table = SimpleNamespace(keys=[MetricKey("grad", "fc.bias", ""), MetricKey("grad", "fc.weight", "")])
+    assert rule.blame(table, np.array([1.0, 1.2])).tolist() == [False, True]
+
+
+def test_a_trend_incident_names_a_culprit(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(INPUTS, 1))
+    optimizer = torch.optim.SGD(model.parameters(), 0.05)
+    config = shipped_config(tmp_path, sinks=[], incidents={"enabled": True, "replay": {"enabled": False}})
+    monitor = Monitor(config).attach(model, optimizer)
+    train(model, monitor, 200, optimizer, lr_at={60: 1.3}, teacher=Teacher())
+    monitor.close()
+    trend = [i for i in monitor.incidents.incidents if i.report["rule"] == "trend"]
+    assert trend and trend[0].report["culprit"] is not None, [i.report["culprit"] for i in trend]
+    assert trend[0].report["culprit"]["first_bad"].startswith(("grad/", "actv/"))

@@ -106,3 +106,57 @@ def test_mutated_configs_load_or_raise_config_error_only(name, tmp_path):
             attached(data, tmp_path / str(outcomes["loaded"]))
         outcomes["loaded"] += 1
     assert outcomes["refused"] > MUTATIONS // 2 and outcomes["loaded"] > ATTACHED, outcomes
+
+
+@pytest.mark.parametrize("seed", [16, 28, 2801])
+@pytest.mark.parametrize("name", ["full.yaml", "predecessor_monitor.json"])
+def test_no_mutation_escapes_as_another_error_whatever_the_seed(name, seed):
+    """Every mutation loads or raises `ConfigError` (no OSError, ValueError, TypeError...),
+    the paths included: a 5,000-character or NUL output_dir is refused at load."""
+    path = CONFIGS / name
+    base = yaml.safe_load(path.read_text()) if path.suffix == ".yaml" else json.loads(path.read_text())
+    rng = random.Random(seed)
+    for _ in range(MUTATIONS // 2):
+        data = mutate(base, rng)
+        try:
+            usable(load_config(data))
+        except ConfigError:
+            continue
+
+
+@pytest.mark.parametrize("data, key", [
+    ({"ur_distribution": "yes"}, "ur_distribution"), ({"mv_distribution": 3}, "mv_distribution"),
+    ({"ur_distribution": True, "watch": {"optimizer_state": ["exp_avg"]}}, "ur_distribution"),
+    ({"collect_times": 0}, "collect_times"), ({"collect_times": -2.5}, "collect_times"),
+    ({"collect_times": 2.5}, "collect_times"), ({"collect_times": True}, "collect_times"),
+    ({"output_dir": "x" * 5000}, "output_dir"), ({"output_dir": "a\0b"}, "output_dir"),
+    ({"output_dir": "/tmp/" + "y" * 300}, "output_dir"), ({"run_name": "z" * 300}, "run_name"),
+    ({"incidents": {"dir": "a\0"}}, "incidents.dir"), ({"control": {"file": "c" * 5000}}, "control.file"),
+])
+def test_errors_name_the_key_the_user_wrote(data, key):
+    with pytest.raises(ConfigError) as exc:
+        load_config(data)
+    assert str(exc.value).startswith(f"config: {key}:"), str(exc.value)
+
+
+def test_collect_times_sets_the_end_step_and_the_predecessor_default_sets_none():
+    assert load_config({"start_step": 2, "step_interval": 3, "collect_times": 4}).schedule.end_step == 14
+    assert load_config({"collect_times": 1e8}).schedule.end_step is None
+
+
+def test_a_billion_laughs_yaml_is_refused_at_once(tmp_path):
+    import time
+
+    from msprobe_engine.cli import main
+
+    lines = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    for i in range(1, 9):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]")
+    (tmp_path / "bomb.yaml").write_text("\n".join(lines) + "\n")
+    began = time.monotonic()
+    with pytest.raises(ConfigError, match="aliases .* expand to more than"):
+        load_config(tmp_path / "bomb.yaml")
+    assert main(["check-config", str(tmp_path / "bomb.yaml")]) == 1
+    assert time.monotonic() - began < 5
+    (tmp_path / "ok.yaml").write_text("alerts:\n  - &s {rule: spike, metrics: [train/loss]}\n  - *s\n")
+    assert len(load_config(tmp_path / "ok.yaml").alerts) == 2  # a few aliases are fine

@@ -124,3 +124,48 @@ def test_the_file_is_looked_at_no_more_often_than_the_interval(tmp_path):
         monitor.step_end(loss)
     monitor.close()
     assert [e.phase for e in monitor.alert_log] == ["start", "end"]  # the file was not read yet
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "msprobe control" in r.getMessage()]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero", "directory", "too_large"])
+def test_a_control_file_that_is_not_a_small_regular_file_is_refused_without_blocking(tmp_path, caplog, kind):
+    import os
+    import time
+
+    target = tmp_path / "control.json"
+    if kind == "fifo":
+        os.mkfifo(target)
+    elif kind == "dev_zero":
+        target.symlink_to("/dev/zero")
+    elif kind == "directory":
+        target.mkdir()
+    else:
+        target.write_text(json.dumps({"rules": {}, "pad": "x" * (1 << 20)}))
+    monitor = make(tmp_path)
+    began = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="msprobe_engine"):
+        for _ in range(4):
+            take_effect(monitor)
+        monitor.close()
+    assert time.monotonic() - began < 10
+    messages = _warnings(caplog)
+    assert len(messages) == 1, messages  # reported once: the file did not change
+    assert ("not a regular file" if kind != "too_large" else "larger than") in messages[0]
+
+
+def test_an_unreadable_control_file_is_reported_once_until_it_changes(tmp_path, caplog):
+    (tmp_path / "control.json").write_bytes(b'{"rules": {"spike": \xff}}')  # not UTF-8: cannot be read
+    monitor = make(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="msprobe_engine"):
+        for _ in range(5):
+            take_effect(monitor)
+        assert len(_warnings(caplog)) == 1
+        monitor.writer.flush()  # no look in flight while the file is rewritten (it could read it half-written)
+        write(tmp_path, "{not json")  # changed: reported again, once
+        for _ in range(3):
+            take_effect(monitor)
+        monitor.close()
+    assert len(_warnings(caplog)) == 2

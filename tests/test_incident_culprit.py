@@ -134,3 +134,20 @@ def test_without_a_call_graph_a_call_reads_its_own_input_rows():
     bad = np.isnan(table.partials[:, 0])
     culprit = first_culprit(table, bad)
     assert (culprit.phase, culprit.call, culprit.bad) == ("forward", "b", ["actv/b/output"])
+
+
+def test_the_parameter_gradient_estimate_says_why_it_is_an_estimate():
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from msprobe_engine.incident.culprit import first_culprit
+    from msprobe_engine.stats.table import MetricKey
+
+    keys = [MetricKey("actv", "fc", "output"), MetricKey("grad", "fc.weight", "")]
+    without = first_culprit(SimpleNamespace(keys=keys), np.array([False, True]))
+    watched = first_culprit(SimpleNamespace(keys=keys[:1] + [MetricKey("actv_grad", "fc", "output")] + keys[1:]),
+                            np.array([False, False, True]))
+    assert without.call == watched.call == "fc"
+    assert "(no activation gradients watched)" in without.method
+    assert "(the watched activation gradients were all good)" in watched.method

@@ -37,12 +37,17 @@ def test_an_output_dir_that_cannot_be_written_is_named_with_the_reason():
 
 
 @pytest.mark.slow  # spawns a process
+def _full_disk_run(out, limit: int) -> subprocess.CompletedProcess:
+    """tests/full_disk_run.py in a child whose files cannot grow past `limit` bytes."""
+    return subprocess.run([sys.executable, str(TESTS / "full_disk_run.py"), str(out), str(limit)],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1",
+                               "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])})
+
+
 def test_a_full_disk_is_counted_per_sink_without_tracebacks_or_half_lines(tmp_path):
     out = tmp_path / "out"
-    child = subprocess.run([sys.executable, str(TESTS / "full_disk_run.py"), str(out), "20000"],
-                           capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "OMP_NUM_THREADS": "1",
-                                "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])})
+    child = _full_disk_run(out, 20000)
     assert child.returncode == 0, child.stderr
     assert "Traceback" not in child.stderr, child.stderr
     result = json.loads(child.stdout.splitlines()[-1])
@@ -79,3 +84,46 @@ def test_unfinished_dump_steps_of_a_crash_are_removed_when_a_new_dump_starts(tmp
     assert not stale.exists() and other_rank.is_dir()
     assert (find_rank_dirs(tmp_path / "step0")[0] / "dump.json").is_file()
     assert "removed 1 unfinished step directory" in caplog.text
+
+
+def test_a_full_disk_leaves_whole_csv_steps_and_whole_event_records(tmp_path):
+    import csv as csv_module
+
+    from msprobe_engine.sinks.csv_sink import CSV_NAME
+    from msprobe_engine.sinks.tb_records import whole_frames_size
+
+    out = tmp_path / "out"
+    child = _full_disk_run(out, 30000)
+    assert child.returncode == 0 and "Traceback" not in child.stderr, child.stderr
+    failures = json.loads(child.stdout.splitlines()[-1])["failures"]
+    rank = out / "rank0"
+    text = (rank / CSV_NAME).read_bytes()
+    assert text.endswith(b"\r\n")
+    rows = list(csv_module.reader(text.decode().splitlines()))
+    assert rows[0] == ["step", "tag", "value"]
+    by_step: dict[str, list[str]] = {}
+    for step, tag, _ in rows[1:]:
+        by_step.setdefault(step, []).append(tag)
+    layouts = {tuple(t for t in tags if not t.startswith("writer/")) for tags in by_step.values()}
+    assert len(layouts) == 1  # every written step has all its rows: none half-written
+    assert failures["csv"] > 0 and len(by_step) + failures["csv"] == 30  # written + lost = every step
+    (events,) = rank.glob("events.out.tfevents.*")
+    size = events.stat().st_size
+    with open(events, "rb") as f:
+        assert whole_frames_size(f.fileno(), size) == size  # no torn record at the end
+
+
+def test_torn_csv_and_event_tails_are_cut_when_reopened(tmp_path, caplog):
+    from msprobe_engine.sinks.record_file import RecordFile
+    from msprobe_engine.sinks.tb_records import frame, whole_frames_size
+
+    csv_path = tmp_path / "metrics.csv"
+    csv_path.write_bytes(b"step,tag,value\r\n0,train/loss,1.0\r\n1,train/lo")
+    events = tmp_path / "events.bin"
+    events.write_bytes(frame(b"first") + frame(b"second")[:9])
+    with caplog.at_level(logging.WARNING, logger="msprobe_engine"):
+        RecordFile(csv_path).close()
+        RecordFile(events, whole_frames_size).close()
+    assert csv_path.read_bytes() == b"step,tag,value\r\n0,train/loss,1.0\r\n"
+    assert events.read_bytes() == frame(b"first")
+    assert caplog.text.count("partial line") == 2

@@ -144,3 +144,83 @@ def test_health_series_in_plain_pytorch(tmp_path):
     assert column["Health/non_finite/grad"][3] == 0 and column["Health/non_finite/grad"][4] > 0
     deviation = [r["metrics"]["Health/worst_deviation"] for r in records]
     assert deviation[4] == float("inf") and all(1.0 <= d < 1e3 for d in deviation[:4] + deviation[5:])
+
+
+def test_a_second_writer_on_one_run_is_refused_with_the_holders_pid(tmp_path):
+    import os
+
+    config = {"output_dir": str(tmp_path), "run_name": "shared"}
+    first = Monitor(config)  # built, no step yet: the directory holds no run, but it is taken
+    with pytest.raises(ConfigError, match=rf"being written by another monitor \(pid {os.getpid()}"):
+        Monitor(config)
+    first.step_end(1.0)
+    first.close()
+    second = Monitor({**config, "resume": True})  # released at close
+    second.close()
+
+
+def test_a_writer_in_another_process_is_refused(tmp_path):
+    import subprocess
+    import sys
+
+    config = {"output_dir": str(tmp_path), "run_name": "shared", "sinks": ["jsonl"]}
+    holder = Monitor(config)
+    code = ("import sys, json; from msprobe_engine.monitor import Monitor; from msprobe_engine.config import ConfigError\n"
+            "try:\n    Monitor(json.loads(sys.argv[1]))\nexcept ConfigError as e:\n    print(e); sys.exit(3)\n")
+    child = subprocess.run([sys.executable, "-c", code, json.dumps(config)], capture_output=True, text=True,
+                           timeout=120)
+    holder.close()
+    assert child.returncode == 3 and "being written by another monitor" in child.stdout, child.stderr
+    assert str(holder_pid := __import__("os").getpid()) in child.stdout and holder_pid > 0
+
+
+def _saved(tmp_path, **changes):
+    config = {"output_dir": str(tmp_path), "run_name": "r", "sinks": ["jsonl"],
+              "alerts": [{"rule": "spike", "metrics": ["train/loss"]}]}
+    run(config, [1.0, 2.0, 3.0])
+    file = tmp_path / "r" / "rank0" / "monitor_state.json"
+    state = json.loads(file.read_text())
+    for key, value in changes.items():
+        if value is KeyError:
+            del state[key]
+        elif key == "rule_state":
+            state["rules"][0]["state"] = value
+        else:
+            state[key] = value
+    file.write_text(json.dumps(state))
+    return {**config, "resume": True}
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"step": "abc"}, "step"), ({"step": None}, "step"), ({"step": 1e999}, "step"), ({"step": -7}, "step"),
+    ({"step": True}, "step"), ({"step": KeyError}, "step"), ({"episodes": KeyError}, "episodes"),
+    ({"episodes": "x"}, "episodes"), ({"episodes": {"spike": {"start": 1}}}, "episodes"),
+    ({"rules": "spike"}, "rules"), ({"rules": [7]}, r"rules\[0\]"), ({"rule_state": "abc"}, r"rules\[0\]"),
+    ({"rule_state": {"average": {"train/loss": "x"}}}, r"rules\[0\] \(spike\).state"),
+    ({"records_written": -1}, "records_written"), ({"incidents": [1]}, "incidents"),
+])
+def test_a_malformed_saved_state_is_a_config_error_naming_the_field(tmp_path, changes, field):
+    config = _saved(tmp_path, **changes)
+    with pytest.raises(ConfigError, match=rf"monitor state: {field}"):
+        Monitor(config)
+    Monitor(config | {"resume": False, "run_name": "other"}).close()  # the refused one gave its lock back
+    (tmp_path / "r" / "rank0" / "monitor_state.json").unlink()
+    Monitor(config).close()  # and the directory is free again
+
+
+def test_resume_without_a_state_file_continues_after_the_last_recorded_step(tmp_path):
+    for sinks in (["jsonl"], ["csv"]):
+        config = {"output_dir": str(tmp_path), "run_name": sinks[0], "sinks": sinks}
+        run(config, [1.0, 2.0, 3.0])
+        (tmp_path / sinks[0] / "rank0" / "monitor_state.json").unlink()  # killed before close()
+        resumed = run({**config, "resume": True}, [4.0])
+        assert resumed.step == 4
+    assert steps_of(tmp_path / "jsonl" / "rank0") == [0, 1, 2, 3]
+
+
+def test_resume_without_a_state_file_or_records_is_refused(tmp_path):
+    config = {"output_dir": str(tmp_path), "run_name": "tb", "sinks": ["tensorboard"]}
+    run(config, [1.0, 2.0])
+    (tmp_path / "tb" / "rank0" / "monitor_state.json").unlink()
+    with pytest.raises(ConfigError, match="no monitor_state.json .* no step in metrics.jsonl or metrics.csv"):
+        Monitor({**config, "resume": True})

@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from msprobe_engine.config.yaml_bounded import load_yaml
 from msprobe_engine.dump.reader import DumpError, RankDump, load_dump
 from msprobe_engine.dump.schema import TensorRef, has_nonfinite, iter_tensors, parse_entry_name
 
@@ -74,8 +75,8 @@ def load_ignore_rules(extra: list[Path | str] = ()) -> dict[str, IgnoreRule]:
     rules: dict[str, IgnoreRule] = {}
     for path in [DEFAULT_RULES, *map(Path, extra)]:
         try:
-            doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        except (OSError, yaml.YAMLError) as e:
+            doc = load_yaml(path.read_text(encoding="utf-8")) or {}
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
             raise ValueError(f"{path}: cannot read ignore rules: {e}") from None
         items = doc.get("ignore") if isinstance(doc, dict) else None
         if not isinstance(items, list):

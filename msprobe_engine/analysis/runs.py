@@ -70,19 +70,20 @@ def read_records(file: Path, problems: list[str]) -> Records:
     """step -> metrics of one JSONL file; unreadable lines are skipped with a problem naming file:line.
     A step written twice keeps its last record."""
     records: Records = {}
-    with open(file, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+    with open(file, "rb") as f:  # lines decoded one by one: a non-UTF-8 line is skipped, not fatal
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
             try:
-                obj = json.loads(line)
+                obj = json.loads(raw.decode("utf-8"))
                 step, metrics = obj["step"], obj["metrics"]
-                if not isinstance(step, int) or not isinstance(metrics, dict):
+                if not isinstance(step, int) or isinstance(step, bool) or not isinstance(metrics, dict) \
+                        or abs(step) > 2 ** 53:
                     raise TypeError("'step' must be an integer and 'metrics' an object")
                 records[step] = {k: float(v) for k, v in metrics.items()
                                  if isinstance(v, (int, float)) and not k.startswith((HEALTH, SELF_METERING))}
-            except (ValueError, KeyError, TypeError) as e:
-                problems.append(f"{file}:{lineno}: skipped: {e!s}")
+            except (ValueError, KeyError, TypeError, OverflowError) as e:
+                problems.append(f"{file}:{lineno}: skipped: {type(e).__name__}: {str(e)[:200]}")
     return records
 
 

@@ -78,12 +78,14 @@ def translate_legacy(data: dict) -> dict:
         if legacy in data:
             put("watch", ours, data[legacy], legacy)
     states: list[str] = []
-    if data.get("mv_distribution"):
-        states += ["exp_avg", "exp_avg_sq"]
-    if data.get("ur_distribution"):
-        states += ["update", "ratio"]
-    if "mv_distribution" in data or "ur_distribution" in data:
-        put("watch", "optimizer_state", states, "mv_distribution")
+    for legacy, names in (("mv_distribution", ["exp_avg", "exp_avg_sq"]), ("ur_distribution", ["update", "ratio"])):
+        if legacy in data and not isinstance(data[legacy], bool):
+            raise ConfigError(f"{legacy}: expected true or false, got {_show(data[legacy])}")
+        if data.get(legacy):
+            states += names
+    given = [key for key in ("mv_distribution", "ur_distribution") if key in data]
+    if given:
+        put("watch", "optimizer_state", states, " and ".join(given))
     if "ops" in data:
         put(None, "stats", _legacy_ops(data["ops"]), "ops")
     if "format" in data:
@@ -130,12 +132,22 @@ def _translate_schedule(data: dict, put) -> None:
         put("schedule", "start_step", data["start_step"], "start_step")
     if "step_interval" in data:
         put("schedule", "interval", data["step_interval"], "step_interval")
-    times = data.get("collect_times")
-    if isinstance(times, (int, float)) and not isinstance(times, bool) and times < 1e8:
+    if "collect_times" not in data:
+        return
+    times = data["collect_times"]
+    whole = isinstance(times, int) or (isinstance(times, float) and times.is_integer())
+    if isinstance(times, bool) or not whole or not times >= 1:
+        raise ConfigError(f"collect_times: expected a whole number of steps, at least 1, got {_show(times)}")
+    if times < 1e8:  # the predecessor's default (1e8) and beyond: no end step
         start = data.get("start_step", 0)
         interval = data.get("step_interval", 1)
         if isinstance(start, int) and isinstance(interval, int):
             put("schedule", "end_step", start + int(times) * interval, "collect_times")
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return (text if len(text) <= 80 else text[:77] + "...") + f" ({type(value).__name__})"
 
 
 def _legacy_alerts(alert: Any) -> list[dict]:

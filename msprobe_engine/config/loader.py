@@ -24,6 +24,7 @@ from msprobe_engine.errors import ConfigError
 from msprobe_engine.fields import INT_LIMIT
 from msprobe_engine.config.legacy import LEGACY_KEYS, translate_legacy
 from msprobe_engine.config.schema import MonitorConfig
+from msprobe_engine.config.yaml_bounded import load_yaml
 
 #: mappings and lists nested deeper than this are refused (no config needs more)
 MAX_DEPTH = 32
@@ -64,10 +65,12 @@ def load_config(source: ConfigSource = None) -> MonitorConfig:
 def read_file(path: Path) -> dict:
     """Parse a JSON or YAML file into a dict, naming the file on any problem."""
     if not path.is_file():
-        raise ConfigError(f"{path}: config file not found")
+        raise ConfigError(f"{path}: config file not found" if not path.exists() else f"{path}: not a regular file")
     try:
         text = path.read_text(encoding="utf-8")
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        if not text.strip():
+            raise ConfigError(f"{path}: the file is empty (write {{}} for every default)")
+        data = json.loads(text) if path.suffix == ".json" else load_yaml(text)
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read: {exc}") from None
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
@@ -251,6 +254,8 @@ def _scalar(hint: type, value: Any, path: str, meta: typing.Mapping) -> Any:
         raise ConfigError(f"{path}: expected {hint.__name__}, got {_show(value)}")
     if hint in (int, float):
         _check_number(value, path, hint)
+    if meta.get("path"):
+        _check_path(value, path)
     if meta.get("regex"):
         try:
             re.compile(value)
@@ -266,6 +271,22 @@ def _scalar(hint: type, value: Any, path: str, meta: typing.Mapping) -> Any:
     if "max" in meta and value > meta["max"]:
         raise ConfigError(f"{path}: {value!r} is above the maximum {meta['max']}")
     return value
+
+
+#: the longest path, and path component, a POSIX file system takes (bytes)
+PATH_MAX, NAME_MAX = 4096, 255
+
+
+def _check_path(value: str, path: str) -> None:
+    """A path the file system can take: no NUL, at most PATH_MAX bytes, NAME_MAX per component."""
+    if "\0" in value:
+        raise ConfigError(f"{path}: {_show(value)} contains a NUL character")
+    raw = value.encode("utf-8", "surrogateescape")
+    if len(raw) > PATH_MAX:
+        raise ConfigError(f"{path}: a path of {len(raw)} bytes (at most {PATH_MAX})")
+    longest = max(raw.split(b"/"), key=len)
+    if len(longest) > NAME_MAX:
+        raise ConfigError(f"{path}: a path component of {len(longest)} bytes (at most {NAME_MAX})")
 
 
 def _check_number(value: float, path: str, hint: type) -> None:

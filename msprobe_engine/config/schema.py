@@ -74,7 +74,7 @@ class Incidents:
     `max_incidents` per run, under `dir` (default `<output_dir>/incidents`); `top_k` modules
     by deviation from their running average are named in it."""
     enabled: bool = True
-    dir: str = ""
+    dir: str = field(default="", metadata={"path": True})
     max_incidents: int = field(default=10, metadata=at_least(0))
     top_k: int = field(default=10, metadata=at_least(0))
     replay: Replay = field(default_factory=Replay)
@@ -85,7 +85,7 @@ class ControlSettings:
     """The live control file (docs/control.md): `file` (default `<output_dir>/control.json`),
     looked at every `interval_s` seconds at most, from the writer thread."""
     enabled: bool = True
-    file: str = ""
+    file: str = field(default="", metadata={"path": True})
     interval_s: float = field(default=5.0, metadata=between(0.0, 86400.0))
 
 
@@ -103,8 +103,8 @@ class MonitorConfig:
     """The whole monitor configuration (see README, "Configuration")."""
     #: modules imported before the config is validated (they register statistics, rules, sinks)
     plugins: list[str] = field(default_factory=list)
-    output_dir: str = "./msprobe_output"
-    run_name: str = ""  # <output_dir>/<run_name>/rank<R>/; empty: $MSPROBE_RUN_NAME, else a timestamp (run_dir.py)
+    output_dir: str = field(default="./msprobe_output", metadata={"path": True})
+    run_name: str = field(default="", metadata={"path": True})  # <output_dir>/<run_name>/rank<R>/; empty: $MSPROBE_RUN_NAME, else a timestamp (run_dir.py)
     resume: bool = False  # continue the run in a directory that holds one, instead of refusing it
     strict: bool = False
     schedule: Schedule = field(default_factory=Schedule)

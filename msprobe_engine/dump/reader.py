@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from msprobe_engine.dump.schema import TensorRef, validate_dump_json
+from msprobe_engine.dump.schema import TensorRef, validate_dump_json, validate_entry
 from msprobe_engine.registry import framework_where, load_framework
 
 DUMP_JSON = "dump.json"
@@ -133,7 +133,8 @@ class RankDump:
             if framework is not None:
                 return load_framework(framework).load_tensor_file(file, mapped)
         except Exception as e:  # torch.load/np.load raise many types for a corrupt or foreign file
-            raise DumpError(f"{where}: cannot load tensor: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+            first = next(iter(str(e).splitlines()), "") or "(no message: an empty or truncated file?)"
+            raise DumpError(f"{where}: cannot load tensor: {type(e).__name__}: {first}") from None
         raise DumpError(f"{where}: unknown tensor file type {file.suffix!r} (expected .pt or .npy)")
 
 
@@ -163,12 +164,23 @@ def load_rank_dir(path: Path, strict: bool = True) -> RankDump:
         raise DumpError(f"{file}: " + "; ".join(problems))
     if strict and problems:
         raise DumpError(f"{file}: {len(problems)} problem(s):\n  " + "\n  ".join(problems))
+    if problems:  # tolerant: an entry whose records are malformed is left out (and listed), never half-read
+        doc["data"] = {name: entry for name, entry in doc["data"].items() if not _malformed(name, entry, doc)}
     meta = {k: v for k, v in doc.items() if k != "data"}
     step_match = _STEP_RE.match(path.parent.name)
     rank_match = _RANK_RE.match(path.name)
     return RankDump(path=path, step=int(step_match.group(1)) if step_match else None,
                     rank=int(rank_match.group(1)) if rank_match and rank_match.group(1) else None,
                     meta=meta, data=doc["data"], problems=[f"{file}: {p}" for p in problems])
+
+
+def _malformed(name: str, entry: Any, doc: dict[str, Any]) -> bool:
+    """True for an entry a reader cannot walk: not an object, or a value of the wrong type
+    (a name other tools write, or a missing key, is not malformed: readers take it as absent)."""
+    task = doc.get("task") if isinstance(doc.get("task"), str) else "statistics"
+    framework = doc.get("framework") if isinstance(doc.get("framework"), str) else "pytorch"
+    return any(("expected " in p or " must be " in p) and "data_name" not in p
+               for p in validate_entry(name, entry, task, framework))
 
 
 def is_rank_dir_name(name: str) -> bool:

@@ -90,6 +90,8 @@ class TensorRef:
     def stat(self, key: str) -> float | None:
         """A statistic as a float (bools as 0/1), or None when absent, null or not a number."""
         value = self.record.get(key)
+        if isinstance(value, int) and abs(value) >= _FLOAT_LIMIT:
+            return None  # not a float64: validation names it
         return float(value) if isinstance(value, (int, float)) else None
 
 
@@ -142,15 +144,29 @@ def iter_dump_tensors(dump: dict[str, Any]) -> Iterator[TensorRef]:
 
 # ---------------------------------------------------------------- validation
 
+#: JSON integers beyond this do not fit a float64 (a 400-digit ``Max`` is a corrupt record, not a number)
+_FLOAT_LIMIT = 2 ** 1024
+#: a dimension beyond this does not fit an int64 (no tensor has it)
+_DIM_LIMIT = 2 ** 63
+
+
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return abs(value) < _FLOAT_LIMIT
+    return isinstance(value, float)
+
+
+def _short(value: Any) -> str:
+    """A value for a message, cut to 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _valid_md5(value: Any) -> bool:
     """A CRC-32 (summary_mode md5) or a XOR checksum (summary_mode xor: hex, or a 0-dim value)."""
     if isinstance(value, str):
         return bool(_MD5_RE.match(value) or _XOR_RE.match(value))
-    return isinstance(value, (int, float))
+    return _is_number(value)
 
 
 def _check_tensor(where: str, rec: dict, task: str, framework: str) -> list[str]:
@@ -160,8 +176,8 @@ def _check_tensor(where: str, rec: dict, task: str, framework: str) -> list[str]
     shape = rec.get("shape")
     if "shape" not in rec:
         problems.append(f"{where}: missing 'shape'")
-    elif not (isinstance(shape, list) and all(_is_number(d) and int(d) == d and d >= 0 for d in shape)):
-        problems.append(f"{where}: 'shape' must be a list of non-negative integers, got {shape!r}")
+    elif not (isinstance(shape, list) and all(_is_number(d) and int(d) == d and 0 <= d < _DIM_LIMIT for d in shape)):
+        problems.append(f"{where}: 'shape' must be a list of non-negative integers, got {_short(shape)}")
     for key in STAT_KEYS:
         if key not in rec:
             problems.append(f"{where}: missing '{key}'")
@@ -169,7 +185,7 @@ def _check_tensor(where: str, rec: dict, task: str, framework: str) -> list[str]
         value = rec[key]
         bool_ok = key in ("Max", "Min") and isinstance(value, bool)
         if not (value is None or _is_number(value) or bool_ok):
-            problems.append(f"{where}: '{key}' must be a number or null, got {value!r}")
+            problems.append(f"{where}: '{key}' must be a number or null, got {_short(value)}")
     if framework == "pytorch" and "requires_grad" in rec and not isinstance(rec["requires_grad"], bool):
         problems.append(f"{where}: 'requires_grad' must be true/false, got {rec['requires_grad']!r}")
     if "data_name" in rec and not isinstance(rec["data_name"], str):
@@ -199,6 +215,8 @@ def validate_entry(name: str, entry: Any, task: str = "statistics", framework: s
     """Problems of one entry, each prefixed with ``data['<name>']``."""
     where = f"data[{name!r}]"
     parsed = parse_entry_name(name)
+    if parsed is None and not isinstance(entry, dict):
+        return [f"{where}: expected an object, got {type(entry).__name__}"]
     if parsed is None:
         return [f"{where}: unrecognised entry name (expected Module/Cell.<path>.<Class>.forward|backward.<n>, "
                 f"Module/Cell.<path>.<Class>.parameters_grad or <Prefix>.<api>.<n>.forward|backward)"]

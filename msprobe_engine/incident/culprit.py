@@ -131,5 +131,7 @@ class _Search:
             if key.kind == "grad" and self.bad[i]:
                 by_module.setdefault(key.path.rpartition(".")[0], []).append(i)
         module = max(by_module, key=lambda m: forward_order.get(m, -1))
-        return self._culprit("backward", module, "estimate (no activation gradients watched): the module last "
-                             "in forward order whose parameter gradients are bad", first, by_module[module])
+        why = ("the watched activation gradients were all good" if any(k.kind in BACKWARD_KINDS for k in self.keys)
+               else "no activation gradients watched")
+        return self._culprit("backward", module, f"estimate ({why}): the module last in forward order whose "
+                             "parameter gradients are bad", first, by_module[module])

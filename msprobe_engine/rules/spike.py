@@ -16,10 +16,13 @@ from msprobe_engine.stats.table import StatTable
 @register_rule("spike")
 class SpikeRule(Rule):
     """A metric matching `metrics` (TensorBoard tags or glob patterns) above `factor` x its
-    running average, and `deviations` x its running mean absolute deviation above that average
-    (a series that is noisy by nature, like a small bias's gradient near convergence, needs a
-    larger jump), once warmed up; a spike pulls neither up. Everything that
-    spikes on one step is one episode, named after the innermost module of the first hit.
+    running average, and above exp(`deviations` x d) x that average, where d is the series'
+    own running mean absolute deviation of log|value| from log|average| (its noise, measured
+    as ratios: a series that is noisy by nature, like a small bias's gradient near convergence
+    or an attention projection's gradient in a MoE layer, whose values swing 10x from batch to
+    batch, needs a larger jump than a steady one), once warmed up; a spike pulls neither up.
+    Everything that spikes on one step is one episode, named after the innermost module of
+    the first hit.
 
     Warm-up understands series that start at zero (optimizer moments, a gradient that is
     zero at first): a series starts at its first nonzero value, and it is warmed up after
@@ -51,7 +54,8 @@ class SpikeRule(Rule):
                 continue
             seen = self._seen.get(tag, 0)
             deviation = self._deviation.get(tag, 0.0)
-            threshold = max(spec.factor * abs(average), abs(average) + spec.deviations * deviation) if average else 0
+            threshold = abs(average) * max(spec.factor, math.exp(min(spec.deviations * deviation, 700.0))) \
+                if average else 0
             if average and seen >= spec.warmup and abs(value) > threshold:
                 hits.append((tag, value, threshold))
                 continue  # a spike (or an overflow to inf) does not pull the average up
@@ -61,7 +65,8 @@ class SpikeRule(Rule):
             settled = seen >= spec.warmup or abs(value) <= settle * abs(average)
             keep = spec.smoothing
             self._average[tag] = keep * average + (1 - keep) * value
-            self._deviation[tag] = keep * deviation + (1 - keep) * abs(value - average)
+            if value and math.isfinite(value):  # a zero has no ratio to the average: no noise sample
+                self._deviation[tag] = keep * deviation + (1 - keep) * abs(math.log(abs(value) / abs(average)))
             self._seen[tag] = seen + 1 if settled else 0
         return one_episode(self, hits)
 
@@ -69,9 +74,10 @@ class SpikeRule(Rule):
         return deviation > self.config.factor
 
     def state_dict(self) -> dict[str, Any]:
-        return {"average": dict(self._average), "seen": dict(self._seen), "deviation": dict(self._deviation)}
+        return {"average": dict(self._average), "seen": dict(self._seen), "log_deviation": dict(self._deviation)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._average = {str(k): float(v) for k, v in state.get("average", {}).items()}
         self._seen = {str(k): int(v) for k, v in state.get("seen", {}).items()}
-        self._deviation = {str(k): float(v) for k, v in state.get("deviation", {}).items()}
+        # "log_deviation": a state saved before it (a linear deviation) starts the noise afresh
+        self._deviation = {str(k): float(v) for k, v in state.get("log_deviation", {}).items()}

@@ -11,6 +11,7 @@ import numpy as np
 from msprobe_engine.fields import between, choices
 from msprobe_engine.rules.base import Firing, Rule, register_rule
 from msprobe_engine.rules.tags import TagMatcher, one_episode
+from msprobe_engine.stats.table import StatTable
 
 METHODS = ("slope", "zscore")
 
@@ -41,6 +42,7 @@ class TrendRule(Rule):
         self.watched = TagMatcher(config.metrics)
         self._history: dict[str, deque[float]] = {}
         self._streak: dict[str, int] = {}
+        self._fired: set[str] = set()  # the tags of the last evaluation's hits (what `blame` names)
         x = np.arange(config.window, dtype=np.float64)
         self._x = x - x.mean()  # centred steps of a full window, for the slope
 
@@ -68,7 +70,14 @@ class TrendRule(Rule):
         if windows:
             hits = [(tag, value, threshold) for (tag, value), threshold in zip(full, self._slopes(windows))
                     if threshold is not None]
+        self._fired = {tag for tag, _, _ in hits}
         return one_episode(self, hits)
+
+    def blame(self, table: StatTable, deviation: np.ndarray) -> np.ndarray:
+        """The rows whose norm grows (the tags that fired: a steady growth is rarely 3x its
+        running average on one step), and those far above their average."""
+        fired = np.array([key.tag("norm") in self._fired for key in table.keys], dtype=bool)
+        return fired | (deviation > 3.0) if fired.size else deviation > 3.0
 
     def _slopes(self, windows: list[deque[float]]) -> list[float | None]:
         """For each full window of log norms (all tags at once): the norm the window started

@@ -1,13 +1,18 @@
-"""Long-format CSV (`step,tag,value`) in `metrics.csv`: one file, whatever the tags."""
+"""Long-format CSV (`step,tag,value`) in `metrics.csv`: one file, whatever the tags.
+
+A step's rows (its alerts included) are one write, whole or not at all (`record_file`): a
+full disk loses the step (counted by the writer), never half of it; a torn last row left by
+a crash is cut when the file is opened again."""
 from __future__ import annotations
 
 import csv
 import io
 import operator
-from typing import IO, Any
+from collections.abc import Iterable
 
 from msprobe_engine.records import StepRecord
 from msprobe_engine.sinks.base import Sink, register_sink
+from msprobe_engine.sinks.record_file import RecordFile
 
 CSV_NAME = "metrics.csv"
 #: value types whose repr is what csv.writer writes (repr for floats, str = repr for ints)
@@ -18,18 +23,14 @@ _PLAIN = {float, int}
 class CsvSink(Sink):
     """Every metric of every step as a `step,tag,value` row; alerts as `alert/<rule>` 1/0."""
 
-    _file: IO[str]
-    _csv: Any
+    _file: RecordFile
 
     def open(self) -> None:
-        path = self.run_dir / CSV_NAME
-        new = not path.exists() or path.stat().st_size == 0
-        self._file = open(path, "a", encoding="utf-8", newline="")
-        self._csv = csv.writer(self._file)
+        self._file = RecordFile(self.run_dir / CSV_NAME)
         self._tags: list[str] = []  # the tags of the last record (its layout)
         self._heads: list[str] = []  # each one's "<tag field>," in that layout
-        if new:
-            self._csv.writerow(["step", "tag", "value"])
+        if self._file.size == 0:
+            self._file.write(b"step,tag,value\r\n")
 
     def write(self, record: StepRecord) -> None:
         """The rows as csv.writer writes them, in one write: for plain floats and ints (their
@@ -37,6 +38,7 @@ class CsvSink(Sink):
         other value type goes through csv.writer itself."""
         metrics = record.metrics
         values = list(metrics.values())
+        text = ""
         if set(map(type, values)) <= _PLAIN:
             tags = list(metrics)
             if tags != self._tags:  # a new layout: each tag's field and separator, once
@@ -44,17 +46,26 @@ class CsvSink(Sink):
             if values:
                 step = f"{record.step},"
                 rows = map(operator.add, self._heads, map(repr, values))
-                self._file.write(step + f"\r\n{step}".join(rows) + "\r\n")
+                text = step + f"\r\n{step}".join(rows) + "\r\n"
         else:
-            self._csv.writerows((record.step, tag, value) for tag, value in metrics.items())
-        self._csv.writerows((record.step, f"alert/{a.rule}", 1.0 if a.phase == "start" else 0.0)
-                            for a in record.alerts)
+            text = _rows((record.step, tag, value) for tag, value in metrics.items())
+        if record.alerts:
+            text += _rows((record.step, f"alert/{a.rule}", 1.0 if a.phase == "start" else 0.0) for a in record.alerts)
+        if text:
+            self._file.write(text.encode("utf-8"))
 
     def flush(self) -> None:
-        self._file.flush()
+        """Rows are written unbuffered: nothing waits in this process."""
 
     def close(self) -> None:
         self._file.close()
+
+
+def _rows(rows: Iterable[tuple]) -> str:
+    """`rows` as csv.writer writes them."""
+    out = io.StringIO()
+    csv.writer(out).writerows(rows)
+    return out.getvalue()
 
 
 def _field(text: str) -> str:

@@ -32,6 +32,8 @@ import google_crc32c
 import numpy as np
 from tensorboard.compat.proto.event_pb2 import Event, SourceMetadata
 
+from msprobe_engine.sinks.record_file import RecordFile
+
 FILE_VERSION = "brain.Event:2"
 WRITER_NAME = "msprobe_engine.sinks.tb_records"
 _MASK_DELTA = 0xA282EAD8
@@ -92,16 +94,31 @@ class ScalarBlock:
         return out.tobytes()
 
 
+def whole_frames_size(fd: int, size: int) -> int:
+    """The size of a TFRecord file up to the end of its last complete frame (a frame whose
+    length runs past the end, a torn tail, is not counted)."""
+    at = 0
+    while at + 12 <= size:
+        (length,) = struct.unpack("<Q", os.pread(fd, 8, at))
+        end = at + 12 + length + 4
+        if end > size:
+            break
+        at = end
+    return at
+
+
 class EventFile:
-    """An event file in `logdir`: `add_event` appends a record (buffered), `flush` pushes it
-    to the disk, `close` flushes and closes. Errors (a full disk) raise in the caller."""
+    """An event file in `logdir`: `add_event` appends a record, written whole or not at all
+    (`record_file.RecordFile`: one unbuffered write; a write cut short by a full disk is taken
+    back and raises in the caller)."""
 
     def __init__(self, logdir: str | os.PathLike, filename_suffix: str = "") -> None:
         directory = Path(logdir)
         directory.mkdir(parents=True, exist_ok=True)
         name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_uid)}"
         self.path = directory / (name + filename_suffix)
-        self._file = open(self.path, "wb")
+        self._file = RecordFile(self.path, whole_frames_size)
+        self._closed = False
         self.add_event(Event(wall_time=time.time(), file_version=FILE_VERSION,
                              source_metadata=SourceMetadata(writer=WRITER_NAME)))
         self.flush()
@@ -115,8 +132,9 @@ class EventFile:
         self._file.write(frame(data))
 
     def flush(self) -> None:
-        self._file.flush()
+        """Records are written unbuffered: nothing waits in this process."""
 
     def close(self) -> None:
-        if not self._file.closed:
+        if not self._closed:
+            self._closed = True
             self._file.close()

@@ -3,10 +3,14 @@ every rule's running state, open alert episodes, the incident counters, the reco
 The dict's format and its checks: `msprobe_engine.state`."""
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import TYPE_CHECKING, Any
 
-from msprobe_engine.state import STATE_VERSION, check_state
+from msprobe_engine.state import STATE_VERSION, check_state, restore
 from msprobe_engine.steps.pipeline import StepPipeline
+
+if TYPE_CHECKING:
+    from msprobe_engine.run_dir import RunDir
 
 
 def save_state(pipeline: StepPipeline) -> dict[str, Any]:
@@ -26,11 +30,26 @@ def load_state(pipeline: StepPipeline, state: dict[str, Any]) -> None:
     """Restore what `save_state` returned: the run goes on from the saved step with the same
     rule state (running averages, open episodes) and incident counters."""
     check_state(state, [rule.name for rule in pipeline.rules])
-    pipeline.clock.go_to(int(state["step"]))
-    for rule, saved in zip(pipeline.rules, state["rules"]):
-        rule.load_state_dict(saved["state"])
-    pipeline.tracker.load_state_dict(state["episodes"])
-    pipeline.emitter.health.restore([(first.rule, first.tag) for first in pipeline.tracker.open_episodes()])
-    if pipeline.incidents is not None and state.get("incidents"):
-        pipeline.incidents.load_state_dict(state["incidents"])
-    pipeline.emitter.records_written = int(state.get("records_written", 0))
+    tracker, incidents = pipeline.tracker, pipeline.incidents
+    restore([(f"rules[{i}] ({rule.name}).state", functools.partial(rule.load_state_dict, saved.get("state", {})))
+             for i, (rule, saved) in enumerate(zip(pipeline.rules, state["rules"]))]
+            + [("episodes", functools.partial(tracker.load_state_dict, state["episodes"])),
+               ("episodes", lambda: pipeline.emitter.health.restore([(f.rule, f.tag) for f in tracker.open_episodes()]))]
+            + ([("incidents", functools.partial(incidents.load_state_dict, state["incidents"]))]
+               if incidents is not None and state.get("incidents") else []))
+    pipeline.clock.go_to(state["step"])
+    pipeline.emitter.records_written = state.get("records_written", 0)
+
+
+def resume(pipeline: StepPipeline, run: "RunDir", start_step: int) -> None:
+    """Continue a resumed run: from its saved state, else after its last recorded step. A refusal
+    gives the run directory's lock back before it raises."""
+    try:
+        saved = run.saved_state()
+        if saved is not None:
+            load_state(pipeline, saved)
+        elif run.resumed:
+            pipeline.clock.go_to(max(start_step, run.next_step_from_records()))
+    except BaseException:
+        run.release()
+        raise

@@ -10,6 +10,7 @@ shape (reported as errors, not merged: see docs/graph.md).
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -106,7 +107,8 @@ def incident_graphs(directory: Path | str) -> GraphSet:
     replay = directory / "replay"
     source = replay if replay.is_dir() and any(replay.iterdir()) else directory / "dump"
     result = build_graphs(source, overflow_check=True)
-    culprit = (incident.get("culprit") or {}).get("dump_entry")
+    culprit = incident.get("culprit")
+    culprit = culprit.get("dump_entry") if isinstance(culprit, dict) else None  # a culprit of another shape: none marked
     for graph in result.targets:
         if culprit in graph.nodes:
             graph.mark_culprit(culprit)
@@ -116,10 +118,35 @@ def incident_graphs(directory: Path | str) -> GraphSet:
     return result
 
 
+def _output_dir(out: Path) -> Path:
+    """`out` when it is new (created here, mode 0o755 at most) or empty, else a new subdirectory."""
+    if out.exists() and not out.is_dir():
+        raise OSError(f"{out}: not a directory")
+    if not out.exists():
+        out.mkdir(parents=True)
+        os.chmod(out, os.stat(out).st_mode & ~0o022)
+        return out
+    if not any(out.iterdir()):
+        return out
+    stem = f"graph_{time.strftime('%Y%m%d%H%M%S')}"
+    for n in range(1000):
+        sub = out / (stem if n == 0 else f"{stem}_{n}")
+        try:
+            sub.mkdir(mode=0o755)
+            return sub
+        except FileExistsError:
+            continue
+    raise OSError(f"{out}: no free graph_<time> subdirectory name")
+
+
 def write_outputs(result: GraphSet, out_dir: Path | str) -> dict[str, Path]:
     """Write ``<kind>_<time>.vis.db`` (for TensorBoard), ``<kind>_<time>.html`` and
-    ``graph_summary.json`` into `out_dir`; their paths by kind (``vis_db``, ``html``, ``summary``)."""
-    out = Path(out_dir)
+    ``graph_summary.json`` into `out_dir`; their paths by kind (``vis_db``, ``html``, ``summary``).
+
+    A directory that already holds files (a shared one, /tmp, an earlier output) is neither
+    overwritten nor re-permissioned: the outputs go into a new ``graph_<time>`` directory in it.
+    A directory the tool creates is closed to other users (group and others cannot write)."""
+    out = _output_dir(Path(out_dir))
     stem = f"{'compare' if result.compared else 'build'}_{time.strftime('%Y%m%d%H%M%S')}"
     task = "all" if result.mode == "tensor" else "summary"
     db = write_vis_db(out / f"{stem}.vis.db", result.targets, result.references or None, task=task,

@@ -114,8 +114,21 @@ def write_vis_db(path: Path, targets: list[Graph], references: list[Graph] | Non
     """Write `targets` (and, for a comparison, the `references` paired with them) to `path`."""
     compared = bool(references)
     path.parent.mkdir(parents=True, exist_ok=True)
-    os.chmod(path.parent, os.stat(path.parent).st_mode & ~0o022)
-    path.unlink(missing_ok=True)
+    partial = path.with_name(path.name + ".partial")  # renamed into place whole: a failure leaves nothing
+    partial.unlink(missing_ok=True)
+    try:
+        _write(partial, targets, references, compared, task, overflow_check)
+        os.chmod(partial, 0o640)
+        os.replace(partial, path)
+    except sqlite3.Error as exc:  # a full disk, a file system sqlite cannot lock
+        raise OSError(f"{path}: cannot write the graph database: {exc}") from None
+    finally:
+        partial.unlink(missing_ok=True)
+    return path
+
+
+def _write(path: Path, targets: list[Graph], references: list[Graph] | None, compared: bool, task: str,
+           overflow_check: bool) -> None:
     stacks: dict[str, str] = {}
     conn = sqlite3.connect(path)
     try:
@@ -138,5 +151,3 @@ def write_vis_db(path: Path, targets: list[Graph], references: list[Graph] | Non
         conn.commit()
     finally:
         conn.close()
-    os.chmod(path, 0o640)
-    return path
