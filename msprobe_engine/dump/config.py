@@ -29,6 +29,7 @@ from typing import Any, Union
 from msprobe_engine.config.errors import ConfigError
 from msprobe_engine.config.loader import read_file
 from msprobe_engine.dump.schema import FRAMEWORKS, parse_entry_name
+from msprobe_engine.dump import legacy_keys
 from msprobe_engine.dump.tasks import TASK_LEVELS, TaskOptions, parse_task_options, section_keys
 
 TASKS = ("statistics", "tensor")
@@ -54,6 +55,7 @@ PREDECESSOR_ONLY: dict[str, tuple[tuple, str]] = {
     "dump_enable": ((None,), "switch the dump with start()/stop() and the step/rank lists"),
     "custom_op_namespaces": ((None, []), "NPU custom operators are not captured here"),
     "load": ((None, {}), "read a dump with msprobe_engine.dump.load_dump and feed the tensors yourself"),
+    **legacy_keys.TOP_KEYS,
 }
 PREDECESSOR_SECTION_ONLY: dict[str, tuple[tuple, str]] = {
     "slice": ((None, []), "whole tensors are dumped; slice them after loading"),
@@ -61,6 +63,7 @@ PREDECESSOR_SECTION_ONLY: dict[str, tuple[tuple, str]] = {
     "diff_nums": ((None, 1), "used by its overflow/nan tasks, not by the dump"),
     "bench_path": ((None, ""), "compare two dumps with `msprobe-engine compare`"),
     "tensor_list": ((None, []), "use task 'tensor' with a 'list' of API names"),
+    **legacy_keys.SECTION_KEYS,
 }
 _RANGE_RE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
 
@@ -129,6 +132,9 @@ def load_dump_config(source: DumpConfigSource = None, **overrides: Any) -> DumpC
 
 
 def _build(data: dict) -> DumpConfig:
+    if data.get("task") in legacy_keys.OTHER_TASK_USE:
+        raise ConfigError(f"task: {data['task']!r} is a predecessor option this dump does not implement; use one of "
+                          f"{', '.join(TASKS + DEBUGGER_TASKS)}; {legacy_keys.OTHER_TASK_USE[data['task']]}")
     task = _choice(data.get("task", "statistics"), "task", TASKS + DEBUGGER_TASKS, OTHER_TASKS)
     section = _section(data, task)
     for key in data:

@@ -172,7 +172,8 @@ def _free_benchmark(section: dict) -> FreeBenchmarkOptions:
     if (opts.fuzz_device == "cpu") != (opts.pert_mode == "to_cpu"):
         raise ConfigError(f"fuzz_device: {opts.fuzz_device!r} with pert_mode {opts.pert_mode!r}: "
                           "\"cpu\" goes with \"to_cpu\" and only with it")
-    if not opts.if_preheat and ("preheat_step" in section or "max_sample" in section):
+    # the predecessor's own example writes "if_preheat": false beside preheat_step/max_sample: inert then
+    if "if_preheat" not in section and ("preheat_step" in section or "max_sample" in section):
         raise ConfigError("preheat_step/max_sample: need \"if_preheat\": true")
     return opts
 
