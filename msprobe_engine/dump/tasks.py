@@ -7,7 +7,7 @@ overflow_check     ``overflow_nums`` (1; -1 all), ``check_mode`` ("all"), scope/
 grad_probe         ``grad_level`` ("L1"), ``param_list`` ([]), ``bounds`` ([-1, 0, 1])    (none)
 free_benchmark     ``pert_mode``, ``handler_type``, ``fuzz_level``, ``fuzz_stage``,       L1
                    ``fuzz_device``, ``if_preheat``, ``preheat_step``, ``max_sample``,
-                   scope/list
+                   ``improve_float32`` (false; ours), scope/list
 diff_check         ``bench_path`` (required), ``diff_nums`` (1; -1 all), ``rtol``,        L0, L1, mix
                    ``atol``, scope/list/data_mode
 =================  =====================================================================  ==========
@@ -74,6 +74,8 @@ class FreeBenchmarkOptions:
     if_preheat: bool = False
     preheat_step: int = 15
     max_sample: int = 20
+    #: improve_precision raises float32 to float64 too (ours); false: float32 is left alone, as in the predecessor
+    improve_float32: bool = False
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,7 @@ def _free_benchmark(section: dict) -> FreeBenchmarkOptions:
         if_preheat=_flag(section.get("if_preheat", False), "if_preheat"),
         preheat_step=_count(section.get("preheat_step", 15), "preheat_step", allow_all=False),
         max_sample=_count(section.get("max_sample", 20), "max_sample", allow_all=False),
+        improve_float32=_flag(section.get("improve_float32", False), "improve_float32"),
     )
     if opts.handler_type == "fix":
         if opts.pert_mode not in FIX_PERT_MODES:
@@ -224,6 +227,6 @@ _PARSERS: dict[str, tuple[Any, tuple[str, ...]]] = {
     "overflow_check": (_overflow, ("overflow_nums", "check_mode")),
     "grad_probe": (_grad_probe, ("grad_level", "param_list", "bounds")),
     "free_benchmark": (_free_benchmark, ("pert_mode", "handler_type", "fuzz_level", "fuzz_stage", "fuzz_device",
-                                         "if_preheat", "preheat_step", "max_sample")),
+                                         "if_preheat", "preheat_step", "max_sample", "improve_float32")),
     "diff_check": (_diff_check, ("bench_path", "diff_nums", "rtol", "atol")),
 }
