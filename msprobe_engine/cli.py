@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from msprobe_engine.analysis import config_check
 from msprobe_engine.dump.reader import DumpError
 
 
@@ -369,6 +370,9 @@ VERBS: dict[str, Verb] = {
                    "training) against a CPU float64 benchmark", _run_ut_arguments, _run_ut_run),
     "generate_operator": Verb("write a script that reproduces one API call of a dump",
                               _generate_operator_arguments, _generate_operator_run),
+    "config-check": Verb("what differs between two runs: Python, packages, numerics env vars, config, "
+                         "data-order and weight fingerprints (first difference first)",
+                         config_check.arguments, config_check.run),
 }
 
 

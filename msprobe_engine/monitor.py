@@ -36,6 +36,7 @@ import numpy as np
 from msprobe_engine.collect.step_rows import StepRows
 from msprobe_engine.config import ConfigSource, MonitorConfig, load_config
 from msprobe_engine.incident.actions import StepDecision, TrainingStopped
+from msprobe_engine.incident.environment import snapshot, write_snapshot
 from msprobe_engine.incident.graph import HIDDEN_KINDS, CallGraph
 from msprobe_engine.incident.recorder import Incident, IncidentContext, IncidentRecorder, StepFacts
 from msprobe_engine.incident.replay import ReplayHost, StepCall, every_statistic
@@ -143,6 +144,8 @@ class Monitor(StepLifecycle):
         #: `run_step`); None: when they live on an accelerator
         self.read_late: bool | None = None
         self._host_since = time.perf_counter()
+        if self._sinks:  # environment.json, for `config-check` (built and written on the writer thread)
+            self.record_environment()
         saved = self.run.saved_state()
         if saved is not None:
             self.load_state_dict(saved)
@@ -164,6 +167,15 @@ class Monitor(StepLifecycle):
         if self.replay_host is not None:
             self.replay_host.models.append(model)
         return self
+
+    def record_environment(self, **sections: Any) -> None:
+        """Add `sections` (e.g. ``hyperparameters={...}``, ``data={"batches": [...]}``,
+        ``weights={...}``, see `frameworks.torch.fingerprint`) to this rank's environment.json;
+        with none, write the start snapshot (`incident.environment.snapshot`). On the writer thread."""
+        if not self._sinks:
+            return
+        document = (lambda: sections) if sections else functools.partial(snapshot, self.config, self.rank, self.layout)
+        self.writer.submit(lambda: write_snapshot(self.run_dir, document()), "environment")
 
     def add_attachment(self, *attachments: Any) -> None:
         """Hooks an integration installed for this monitor (objects with `remove()`), removed

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from msprobe_engine.config.errors import ConfigError
+from msprobe_engine.incident.environment import ENVIRONMENT_FILE
 
 RUN_NAME_ENV = "MSPROBE_RUN_NAME"
 STATE_FILE = "monitor_state.json"
@@ -92,6 +93,8 @@ def _holds_run(rank_dir: Path) -> bool:
         except (OSError, ValueError, AttributeError, TypeError):
             return True
     for file in rank_dir.iterdir():
+        if file.name == ENVIRONMENT_FILE:  # written at start, before any step
+            continue
         if file.name.startswith(EVENT_FILE_PREFIX) and file.is_file():
             if _records_beyond_the_first(file):
                 return True
