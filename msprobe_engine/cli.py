@@ -104,6 +104,9 @@ def _compare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rtol", type=float, default=RTOL, help=f"runs: relative tolerance (default {RTOL:g})")
     p.add_argument("--atol", type=float, default=ATOL, help=f"runs: absolute tolerance (default {ATOL:g})")
     p.add_argument("--json", metavar="PATH", help="also write the summary as JSON ('-' for stdout)")
+    p.add_argument("--find-divergence", action="store_true",
+                   help="print only where B first departs from A (first call of two dumps, in execution order, "
+                        "or first step and tag of two runs), with --rtol/--atol")
 
 
 def _compare_dumps_run(args: argparse.Namespace) -> int:
@@ -136,8 +139,11 @@ def _compare_runs_run(args: argparse.Namespace) -> int:
 
 
 def _compare_run(args: argparse.Namespace) -> int:
+    from msprobe_engine.analysis import divergence
     from msprobe_engine.analysis.runs import is_run
 
+    if args.find_divergence:
+        return divergence.run(args)
     if is_run(args.a) and is_run(args.b):
         return _compare_runs_run(args)
     return _compare_dumps_run(args)
