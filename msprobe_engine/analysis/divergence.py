@@ -112,7 +112,7 @@ def first_run_divergence(a: Path | str, b: Path | str, rtol: float = RTOL, atol:
 def format_divergence(found: FirstDivergence | None) -> str:
     if found is None:
         return "find-divergence: no divergence beyond the tolerance"
-    where = f"step {found.step} rank {found.rank}"
+    where = f"step {found.step}" + (f" rank {found.rank}" if found.rank is not None else "")
     if found.module or not found.tensor:
         return (f"find-divergence: {where}: {found.entry} ({found.module or 'run-level'}): "
                 f"{found.a!r} | {found.b!r} (rel {found.rel_diff:.3g})")
