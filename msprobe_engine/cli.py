@@ -292,6 +292,8 @@ def _run_ut_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--xlsx", action="store_true", help="also write both tables as one .xlsx next to the CSVs")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress line on stderr (default: only on a terminal)")
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="offline: replay the calls in N processes (the predecessor's multi_run_ut; default 1)")
     p.add_argument("--online", action="store_true",
                    help="online: run the checker server; training processes send their API calls to it")
     p.add_argument("--host", help="online: address to listen on (default 127.0.0.1, or run_ut.host)")
@@ -322,7 +324,7 @@ def _run_ut_run(args: argparse.Namespace) -> int:
     if not args.input:
         raise ValueError("run_ut: give a dump with -i (or --online to run the checker server)")
     reports = run_ut(args.input, args.output, device=args.device, config=config, resume=args.resume,
-                     progress=args.progress, xlsx=args.xlsx)
+                     progress=args.progress, xlsx=args.xlsx, workers=args.workers)
     counts = count_statuses(reports)
     if not counts and not args.resume:
         print("run_ut: no API calls in this dump (an L0 dump has module entries only: dump at level L1 or mix)")
