@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from msprobe_engine.analysis import config_check
 from msprobe_engine.cli_input import NothingToCheck, bounded_int, finite_float, run_verb, safe_streams
 
 
@@ -103,6 +104,9 @@ def _compare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rtol", type=finite_float(0.0), default=RTOL, help=f"runs: relative tolerance (default {RTOL:g})")
     p.add_argument("--atol", type=finite_float(0.0), default=ATOL, help=f"runs: absolute tolerance (default {ATOL:g})")
     p.add_argument("--json", metavar="PATH", help="also write the summary as JSON ('-' for stdout)")
+    p.add_argument("--find-divergence", action="store_true",
+                   help="print only where B first departs from A (first call of two dumps, in execution order, "
+                        "or first step and tag of two runs), with --rtol/--atol")
 
 
 def _compare_dumps_run(args: argparse.Namespace) -> int:
@@ -138,8 +142,11 @@ def _compare_runs_run(args: argparse.Namespace) -> int:
 
 
 def _compare_run(args: argparse.Namespace) -> int:
+    from msprobe_engine.analysis import divergence
     from msprobe_engine.analysis.runs import is_run
 
+    if args.find_divergence:
+        return divergence.run(args)
     if is_run(args.a) and is_run(args.b):
         return _compare_runs_run(args)
     return _compare_dumps_run(args)
@@ -297,6 +304,8 @@ def _run_ut_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--xlsx", action="store_true", help="also write both tables as one .xlsx next to the CSVs")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress line on stderr (default: only on a terminal)")
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="offline: replay the calls in N processes (the predecessor's multi_run_ut; default 1)")
     p.add_argument("--online", action="store_true",
                    help="online: run the checker server; training processes send their API calls to it")
     p.add_argument("--host", help="online: address to listen on (default 127.0.0.1, or run_ut.host)")
@@ -327,7 +336,7 @@ def _run_ut_run(args: argparse.Namespace) -> int:
     if not args.input:
         raise ValueError("run_ut: give a dump with -i (or --online to run the checker server)")
     reports = run_ut(args.input, args.output, device=args.device, config=config, resume=args.resume,
-                     progress=args.progress, xlsx=args.xlsx)
+                     progress=args.progress, xlsx=args.xlsx, workers=args.workers)
     counts = count_statuses(reports)
     if not counts and not args.resume:
         print("run_ut: no API calls in this dump (an L0 dump has module entries only: dump at level L1 or mix)")
@@ -381,6 +390,9 @@ VERBS: dict[str, Verb] = {
                    "training) against a CPU float64 benchmark", _run_ut_arguments, _run_ut_run),
     "generate_operator": Verb("write a script that reproduces one API call of a dump",
                               _generate_operator_arguments, _generate_operator_run),
+    "config-check": Verb("what differs between two runs: Python, packages, numerics env vars, config, "
+                         "data-order and weight fingerprints (first difference first)",
+                         config_check.arguments, config_check.run),
 }
 
 

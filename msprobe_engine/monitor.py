@@ -20,11 +20,13 @@ for a `stop` rule; alerts that start leave incidents (`incident` package).
 """
 from __future__ import annotations
 
+import functools
 import operator
 import os
 from typing import Any, Callable
 
 from msprobe_engine.config import ConfigSource, MonitorConfig, load_config
+from msprobe_engine.incident.environment import snapshot, write_snapshot
 from msprobe_engine.contract import StepLifecycle
 from msprobe_engine.control import Control, ControlFile
 from msprobe_engine.health import HealthMeter
@@ -126,6 +128,8 @@ class Monitor(StepLifecycle):
                                  self.tensor_meta if self.incidents is not None else None, self.wiring.find_backend)
         #: `StepLifecycle.add_tensors`, the hot path: the measurer's own method, no call in between
         self.add_tensors = self._measure.add
+        if self.pipeline.emitter.sinks:  # environment.json, for `config-check` (built and written on the writer thread)
+            self.record_environment()
         resume(self.pipeline, self.run, start_step)
 
     # ---- the parts' state, as attributes -------------------------------------------------
@@ -155,6 +159,15 @@ class Monitor(StepLifecycle):
     def attachments(self) -> tuple[Removable, ...]:
         """What `attach` and the integration installed (`add_attachment`), in that order."""
         return tuple(self.wiring.attachments.handles)
+
+    def record_environment(self, **sections: Any) -> None:
+        """Add `sections` (e.g. ``hyperparameters={...}``, ``data={"batches": [...]}``,
+        ``weights={...}``, see `frameworks.torch.fingerprint`) to this rank's environment.json;
+        with none, write the start snapshot (`incident.environment.snapshot`). On the writer thread."""
+        if not self.pipeline.emitter.sinks:
+            return
+        document = (lambda: sections) if sections else functools.partial(snapshot, self.config, self.rank, self.layout)
+        self.writer.submit(lambda: write_snapshot(self.run_dir, document()), "environment")
 
     def forgo_replay(self, reason: str) -> None:
         """Replay no step (an integration whose steps cannot be replayed on one rank alone); warns once."""

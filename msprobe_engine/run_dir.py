@@ -32,6 +32,7 @@ except ImportError:  # not POSIX: no lock
     fcntl = None  # type: ignore[assignment]
 
 from msprobe_engine.errors import ConfigError
+from msprobe_engine.incident.environment import ENVIRONMENT_FILE
 
 RUN_NAME_ENV = "MSPROBE_RUN_NAME"
 STATE_FILE = "monitor_state.json"
@@ -183,7 +184,7 @@ def _holds_run(rank_dir: Path) -> bool:
             return True
         return written != 0 or isinstance(written, bool)  # a count other than 0 (even a malformed one): a run
     for file in rank_dir.iterdir():
-        if file.name == LOCK_FILE:
+        if file.name in (LOCK_FILE, ENVIRONMENT_FILE):  # the lock; environment.json, written at start
             continue
         if file.name.startswith(EVENT_FILE_PREFIX) and file.is_file():
             if _records_beyond_the_first(file):

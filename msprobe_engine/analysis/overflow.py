@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from msprobe_engine.analysis.predecessor_rules import PREDECESSOR_KEY, from_predecessor
 from msprobe_engine.config.yaml_bounded import load_yaml
 from msprobe_engine.dump.reader import DumpError, RankDump, load_dump
 from msprobe_engine.dump.schema import TensorRef, has_nonfinite, iter_tensors, parse_entry_name
@@ -79,6 +80,8 @@ def load_ignore_rules(extra: list[Path | str] = ()) -> dict[str, IgnoreRule]:
         except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
             raise ValueError(f"{path}: cannot read ignore rules: {e}") from None
         items = doc.get("ignore") if isinstance(doc, dict) else None
+        if items is None and isinstance(doc, dict) and PREDECESSOR_KEY in doc:  # the predecessor's file
+            items = from_predecessor(doc[PREDECESSOR_KEY], path)
         if not isinstance(items, list):
             raise ValueError(f"{path}: expected a top-level 'ignore:' list")
         for i, item in enumerate(items):

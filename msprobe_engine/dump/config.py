@@ -29,7 +29,7 @@ from typing import Any, Optional, Union
 from msprobe_engine.errors import ConfigError
 from msprobe_engine.fields import choices
 from msprobe_engine.config.loader import ConfigErrors, build_section, import_plugins, problems, read_file
-from msprobe_engine.dump import checks
+from msprobe_engine.dump import checks, legacy_keys
 from msprobe_engine.dump.checks import checked
 from msprobe_engine.dump.schema import FRAMEWORKS
 from msprobe_engine.dump.task import DUMP_TASKS, LEVELS, DumpTask, FullSelection
@@ -47,6 +47,7 @@ PREDECESSOR_ONLY: dict[str, tuple[tuple, str]] = {
     "dump_enable": ((None,), "switch the dump with start()/stop() and the step/rank lists"),
     "custom_op_namespaces": ((None, []), "NPU custom operators are not captured here"),
     "load": ((None, {}), "read a dump with msprobe_engine.dump.load_dump and feed the tensors yourself"),
+    **legacy_keys.TOP_KEYS,
 }
 PREDECESSOR_SECTION_ONLY: dict[str, tuple[tuple, str]] = {
     "slice": ((None, []), "whole tensors are dumped; slice them after loading"),
@@ -54,6 +55,7 @@ PREDECESSOR_SECTION_ONLY: dict[str, tuple[tuple, str]] = {
     "diff_nums": ((None, 1), "used by its overflow/nan tasks, not by the dump"),
     "bench_path": ((None, ""), "compare two dumps with `msprobe-engine compare`"),
     "tensor_list": ((None, []), "use task 'tensor' with a 'list' of API names"),
+    **legacy_keys.SECTION_KEYS,
 }
 
 DumpConfigSource = Union[str, Path, dict, "DumpConfig", None]
@@ -66,6 +68,14 @@ def _framework(value: Any, path: str) -> str:
     return value
 
 
+def _task(value: Any, path: str) -> str:
+    advice = legacy_keys.OTHER_TASK_USE.get(value) if isinstance(value, str) else None
+    if advice is not None:
+        raise ConfigError(f"{path}: {value!r} is a predecessor option this dump does not implement; use one of "
+                          f"{', '.join(DUMP_TASKS.names())}; {advice}")
+    return checks.one_of(DUMP_TASKS.names)(value, path)
+
+
 def _predecessor_only(key: str) -> Any:
     return field(default=None, metadata=checked(checks.accepted_only(*PREDECESSOR_ONLY[key])))
 
@@ -74,7 +84,7 @@ def _predecessor_only(key: str) -> Any:
 class DumpKeys(FullSelection):
     """The top level of a dump config (the selection keys may also stand in the task's section)."""
     plugins: tuple[str, ...] = field(default=(), metadata=checked(checks.strings))
-    task: str = field(default="statistics", metadata=checked(checks.one_of(DUMP_TASKS.names, OTHER_TASKS)))
+    task: str = field(default="statistics", metadata=checked(_task))
     dump_path: Path = field(metadata=checked(checks.non_empty_path))
     rank: Optional[frozenset[int]] = field(default=None, metadata=checked(checks.id_list))
     step: Optional[frozenset[int]] = field(default=None, metadata=checked(checks.id_list))
@@ -95,6 +105,7 @@ class DumpKeys(FullSelection):
     dump_enable: Any = _predecessor_only("dump_enable")
     custom_op_namespaces: Any = _predecessor_only("custom_op_namespaces")
     load: Any = _predecessor_only("load")
+    acl_config: Any = _predecessor_only("acl_config")
 
 
 @dataclass(frozen=True)

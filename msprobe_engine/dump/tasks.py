@@ -9,7 +9,7 @@ overflow_check     ``overflow_nums`` (1; -1 all), ``check_mode`` ("all"), scope/
 grad_probe         ``grad_level`` ("L1"), ``param_list`` ([]), ``bounds`` ([-1, 0, 1])    (none)
 free_benchmark     ``pert_mode``, ``handler_type``, ``fuzz_level``, ``fuzz_stage``,       L1
                    ``fuzz_device``, ``if_preheat``, ``preheat_step``, ``max_sample``,
-                   scope/list
+                   ``improve_float32`` (false; ours), scope/list
 diff_check         ``bench_path`` (required), ``diff_nums`` (1; -1 all), ``rtol``,        L0, L1, mix
                    ``atol``, scope/list/data_mode/summary_mode
 =================  =====================================================================  ==========
@@ -104,6 +104,8 @@ class FreeBenchmark(DumpTask):
         if_preheat: bool = field(default=False, metadata=checked(checks.loose_flag))
         preheat_step: int = field(default=15, metadata=checked(checks.count(allow_all=False)))
         max_sample: int = field(default=20, metadata=checked(checks.count(allow_all=False)))
+        #: improve_precision raises float32 to float64 too (ours); false: float32 is left alone, as in the predecessor
+        improve_float32: bool = field(default=False, metadata=checked(checks.flag))
 
     @classmethod
     def check(cls, options: Any, given: set[str]) -> None:
@@ -119,7 +121,8 @@ class FreeBenchmark(DumpTask):
         if (options.fuzz_device == "cpu") != (options.pert_mode == "to_cpu"):
             raise ConfigError(f"fuzz_device: {options.fuzz_device!r} with pert_mode {options.pert_mode!r}: "
                               "\"cpu\" goes with \"to_cpu\" and only with it")
-        if not options.if_preheat and ("preheat_step" in given or "max_sample" in given):
+        # the predecessor's own example writes "if_preheat": false beside preheat_step/max_sample: inert then
+        if "if_preheat" not in given and ("preheat_step" in given or "max_sample" in given):
             raise ConfigError("preheat_step/max_sample: need \"if_preheat\": true")
 
 

@@ -1,2 +1,3 @@
 """The built-in sinks, one file each (importing this module registers them)."""
-from msprobe_engine.sinks import csv_sink, jsonl_sink, mlflow_sink, tensorboard_sink, wandb_sink  # noqa: F401
+from msprobe_engine.sinks import (csv_sink, jsonl_sink, mlflow_sink, predecessor_csv, tensorboard_sink,  # noqa: F401
+                                  wandb_sink)

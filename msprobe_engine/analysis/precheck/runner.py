@@ -98,9 +98,14 @@ def check_case(case: ApiCase, precheck: Any, device: str = "cpu", recorded_outpu
 
 
 def run_ut(dump_path: Path | str, out_dir: Path | str, *, device: str = "cpu", config: PrecheckConfig | None = None,
-           resume: bool = False, progress: bool | None = None, xlsx: bool = False) -> list[PrecheckReport]:
+           resume: bool = False, progress: bool | None = None, xlsx: bool = False,
+           workers: int = 1) -> list[PrecheckReport]:
     """Pre-check every API call of the dump at `dump_path` (a rank dir or a dump root); the
-    reports land in `out_dir` (``step<S>/rank<R>/`` below it when the dump has several)."""
+    reports land in `out_dir` (``step<S>/rank<R>/`` below it when the dump has several).
+    `workers` > 1: the calls of each rank directory are replayed by that many processes
+    (`precheck.workers`), the report the same row for row."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"run_ut: workers: expected a positive integer, got {workers!r}")
     config = config or PrecheckConfig()
     dumps = load_dump(dump_path)
     reports = []
@@ -114,8 +119,14 @@ def run_ut(dump_path: Path | str, out_dir: Path | str, *, device: str = "cpu", c
         bar = Progress(f"run_ut {dump.path}", progress)
         bar.start(len(cases))
         try:
-            for done, case in enumerate(cases, 1):
-                report.add(check_case(case, precheck, device))
+            if workers > 1 and len(cases) > 1:
+                from msprobe_engine.analysis.precheck.workers import check_in_workers
+
+                results = check_in_workers(dump, FRAMEWORK_OF_DUMP[dump.framework], cases, workers, device)
+            else:
+                results = (check_case(case, precheck, device) for case in cases)
+            for done, result in enumerate(results, 1):
+                report.add(result)
                 bar.update(done)
         finally:
             bar.finish()

@@ -19,8 +19,8 @@ a floating-point tensor argument):
   (improve_precision), cast back to the original dtypes.
 
 Perturbations, on the first floating tensor argument (or every tensor of the first list/dict
-argument), as for PyTorch: improve_precision (float16/bfloat16 -> float32, float32 -> float64,
-every floating input), add_noise, bit_noise, change_value, no_change. ``to_cpu`` (and
+argument), as for PyTorch: improve_precision (float16/bfloat16 -> float32, every floating input;
+float32 -> float64 only with ``improve_float32: true``), add_noise, bit_noise, change_value, no_change. ``to_cpu`` (and
 ``fuzz_device: cpu``) are PyTorch's: refused when the session is made. ``if_preheat`` works
 as for PyTorch (`Judge`; the predecessor's MindSpore side has no preheat).
 """
@@ -43,7 +43,8 @@ from msprobe_engine.stats import empty_rows
 HEADER = ("rank", "pert_type", "stage", "step", "api_name", "max_rel", "dtype", "shape", "output_index")
 #: pert_mode values MindSpore does not run (PyTorch's: every input on the CPU)
 PYTORCH_ONLY = ("to_cpu",)
-HIGHER = {ms.float16: ms.float32, ms.bfloat16: ms.float32, ms.float32: ms.float64}
+HIGHER = {ms.float16: ms.float32, ms.bfloat16: ms.float32}
+HIGHER_FLOAT32 = {**HIGHER, ms.float32: ms.float64}  # improve_float32: true
 BITS = {ms.bfloat16: ms.int16, ms.float16: ms.int16, ms.float32: ms.int32, ms.float64: ms.int64}
 NEUTRAL = {ms.float16: "float16", ms.bfloat16: "bfloat16", ms.float32: "float32", ms.float64: "float64"}
 NOISE = {dtype: NOISE_BY_NAME[name] for dtype, name in NEUTRAL.items()}
@@ -104,6 +105,10 @@ def _higher(t: Tensor) -> Tensor:
     return t.astype(HIGHER[t.dtype]) if t.dtype in HIGHER else t
 
 
+def _higher_float32(t: Tensor) -> Tensor:
+    return t.astype(HIGHER_FLOAT32[t.dtype]) if t.dtype in HIGHER_FLOAT32 else t
+
+
 #: pert_mode -> (the tensor perturbation, whether it applies to every input rather than the target)
 PERTURBATIONS: dict[str, tuple[Callable[[Tensor], Tensor], bool]] = {
     "improve_precision": (_higher, True), "add_noise": (_add_noise, False), "bit_noise": (_bit_noise, False),
@@ -111,9 +116,9 @@ PERTURBATIONS: dict[str, tuple[Callable[[Tensor], Tensor], bool]] = {
 }
 
 
-def perturb(mode: str, args: tuple, kwargs: dict, index: int) -> tuple[tuple, dict]:
-    """Perturbed copies of a call's arguments."""
-    fn, every = PERTURBATIONS[mode]
+def perturb(mode: str, args: tuple, kwargs: dict, index: int, float32: bool = False) -> tuple[tuple, dict]:
+    """Perturbed copies of a call's arguments (`float32`: improve_precision raises float32 too)."""
+    fn, every = (_higher_float32, True) if float32 and mode == "improve_precision" else PERTURBATIONS[mode]
     if every:
         return _map(args, fn), _map(kwargs, fn)
     return args[:index] + (_map(args[index], fn),) + args[index + 1:], kwargs
@@ -201,7 +206,7 @@ class MindSporeFreeBenchmark(FreeBenchmarkRecorder, GatedRecorder):
 
     # ---- the checks --------------------------------------------------------------------------
     def _check_forward(self, func: Callable, args: tuple, kwargs: dict, index: int, name: str, output: Any) -> None:
-        p_args, p_kwargs = perturb(self.options.pert_mode, args, kwargs, index)
+        p_args, p_kwargs = perturb(self.options.pert_mode, args, kwargs, index, self.options.improve_float32)
         p_args, p_kwargs = _map(p_args, ops.stop_gradient), _map(p_kwargs, ops.stop_gradient)
         self._compare(name, "forward", output, func(*p_args, **p_kwargs))
 
@@ -218,7 +223,7 @@ class MindSporeFreeBenchmark(FreeBenchmarkRecorder, GatedRecorder):
         if not positions:
             return
         original = _input_grads(func, args, kwargs, positions)
-        p_args, p_kwargs = perturb(self.options.pert_mode, args, kwargs, index)
+        p_args, p_kwargs = perturb(self.options.pert_mode, args, kwargs, index, self.options.improve_float32)
         perturbed = _input_grads(func, p_args, p_kwargs, positions)
         backward = name.replace(".forward", ".backward")
         for j, (o, p) in enumerate(zip(original, perturbed)):
@@ -233,7 +238,7 @@ class MindSporeFreeBenchmark(FreeBenchmarkRecorder, GatedRecorder):
         original output's dtype (None when the output has no floating tensor: it stays)."""
         if not _outputs(output):
             return None
-        p_args, p_kwargs = perturb(self.options.pert_mode, args, kwargs, index)
+        p_args, p_kwargs = perturb(self.options.pert_mode, args, kwargs, index, self.options.improve_float32)
         precise = func(*p_args, **p_kwargs)
         return _cast_like(precise, output)
 

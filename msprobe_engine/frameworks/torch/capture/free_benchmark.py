@@ -15,8 +15,9 @@ floating-point tensor input, not writing into its arguments, outside a backward 
   flow through the casts).
 
 Perturbations (the first floating tensor argument, or every tensor of the first list/dict
-argument, as the predecessor): improve_precision (float16/bfloat16 -> float32, float32 ->
-float64, every floating input), add_noise (+noise on values above its square root),
+argument, as the predecessor): improve_precision (float16/bfloat16 -> float32, every floating
+input; float32 is left alone as in the predecessor, or raised to float64 with the section's
+``improve_float32: true``), add_noise (+noise on values above its square root),
 bit_noise (last mantissa bit flipped on normal values), change_value (first and last
 elements swapped), no_change, to_cpu (every input on the CPU).
 
@@ -42,7 +43,8 @@ from msprobe_engine.frameworks.torch.capture.api import ApiCatalog
 from msprobe_engine.frameworks.torch.capture.backward import in_backward
 from msprobe_engine.stats import empty_rows
 
-HIGHER = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float64}
+HIGHER = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+HIGHER_FLOAT32 = {**HIGHER, torch.float32: torch.float64}  # improve_float32: true
 BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
         torch.float64: torch.int64}
 NOISE = {getattr(torch, name): value for name, value in NOISE_BY_NAME.items()}
@@ -122,6 +124,10 @@ def _higher(t: torch.Tensor) -> torch.Tensor:
     return t.to(HIGHER[t.dtype]) if t.dtype in HIGHER else t
 
 
+def _higher_float32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(HIGHER_FLOAT32[t.dtype]) if t.dtype in HIGHER_FLOAT32 else t
+
+
 def _to_cpu(t: torch.Tensor) -> torch.Tensor:
     return t.to("cpu")
 
@@ -133,9 +139,9 @@ PERTURBATIONS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], bool]] = 
 }
 
 
-def perturb(mode: str, args: tuple, kwargs: dict, index: int) -> tuple[tuple, dict]:
-    """Perturbed copies of a call's arguments."""
-    fn, every = PERTURBATIONS[mode]
+def perturb(mode: str, args: tuple, kwargs: dict, index: int, float32: bool = False) -> tuple[tuple, dict]:
+    """Perturbed copies of a call's arguments (`float32`: improve_precision raises float32 too)."""
+    fn, every = (_higher_float32, True) if float32 and mode == "improve_precision" else PERTURBATIONS[mode]
     if every:
         return _map(args, fn), _map(kwargs, fn)
     return args[:index] + (_map(args[index], fn),) + args[index + 1:], kwargs
@@ -200,7 +206,7 @@ class FreeBenchmark(FreeBenchmarkRecorder):
 
     def _check_forward(self, func: Callable, args: tuple, kwargs: dict, index: int, name: str, output: Any,
                        state: tuple) -> None:
-        p_args, p_kwargs = perturb(self.options.pert_mode, args, kwargs, index)
+        p_args, p_kwargs = perturb(self.options.pert_mode, args, kwargs, index, self.options.improve_float32)
         p_args, p_kwargs = _map(p_args, torch.Tensor.detach), _map(p_kwargs, torch.Tensor.detach)
         with _same_random(state), torch.no_grad():
             perturbed = func(*p_args, **p_kwargs)
@@ -233,7 +239,7 @@ class FreeBenchmark(FreeBenchmarkRecorder):
                        grad: torch.Tensor) -> None:
         args, kwargs = saved
         original = self._input_grads(func, args, kwargs, grad, state)
-        p_args, p_kwargs = perturb(self.options.pert_mode, args, kwargs, index)
+        p_args, p_kwargs = perturb(self.options.pert_mode, args, kwargs, index, self.options.improve_float32)
         perturbed = self._input_grads(func, p_args, p_kwargs, grad, state)
         for i, (o, p) in enumerate(zip(original, perturbed)):
             if o is not None and p is not None:
@@ -256,7 +262,7 @@ class FreeBenchmark(FreeBenchmarkRecorder):
         like = next((t for t in _tensors_in(args) if t.is_floating_point()), None)
         if like is None:
             return None
-        p_args, p_kwargs = perturb(self.options.pert_mode, args, kwargs, index)
+        p_args, p_kwargs = perturb(self.options.pert_mode, args, kwargs, index, self.options.improve_float32)
         precise = func(*p_args, **p_kwargs)
         return _map(precise, lambda t: t.to(like.device, like.dtype if t.is_floating_point() else t.dtype))
 

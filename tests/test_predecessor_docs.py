@@ -1,0 +1,22 @@
+"""docs/predecessor.md stays in step with the code: every predecessor key the loaders accept or
+refuse, and every name of the drop-in, is in its tables."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import msprobe_engine.compat as compat
+from msprobe_engine.config.legacy import LEGACY_KEYS, LEGACY_OPS
+from msprobe_engine.dump.config import DEBUGGER_TASKS, OTHER_TASKS, PREDECESSOR_ONLY, PREDECESSOR_SECTION_ONLY
+
+DOC = (Path(__file__).resolve().parents[1] / "docs" / "predecessor.md").read_text(encoding="utf-8")
+NAMES = sorted({*PREDECESSOR_ONLY, *PREDECESSOR_SECTION_ONLY, *DEBUGGER_TASKS, *OTHER_TASKS, *LEGACY_KEYS,
+                *LEGACY_OPS, *compat.__all__})
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_key_and_call_is_documented(name):
+    assert re.search(rf"`[^`\n]*\b{re.escape(name)}\b[^`\n]*`", DOC), \
+        f"docs/predecessor.md does not mention {name!r}"
