@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from msprobe_engine.compat import PrecisionDebugger, TrainerMon, module_dump, module_dump_end, seed_all
-from msprobe_engine.config.errors import ConfigError
+from msprobe_engine.errors import ConfigError
 
 EXAMPLES = Path(__file__).resolve().parent / "fixtures" / "predecessor_examples"
 ROOT = Path(__file__).resolve().parents[1]

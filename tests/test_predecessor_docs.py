@@ -9,10 +9,11 @@ import pytest
 
 import msprobe_engine.compat as compat
 from msprobe_engine.config.legacy import LEGACY_KEYS, LEGACY_OPS
-from msprobe_engine.dump.config import DEBUGGER_TASKS, OTHER_TASKS, PREDECESSOR_ONLY, PREDECESSOR_SECTION_ONLY
+from msprobe_engine.dump.config import OTHER_TASKS, PREDECESSOR_ONLY, PREDECESSOR_SECTION_ONLY
+from msprobe_engine.dump.task import DUMP_TASKS
 
 DOC = (Path(__file__).resolve().parents[1] / "docs" / "predecessor.md").read_text(encoding="utf-8")
-NAMES = sorted({*PREDECESSOR_ONLY, *PREDECESSOR_SECTION_ONLY, *DEBUGGER_TASKS, *OTHER_TASKS, *LEGACY_KEYS,
+NAMES = sorted({*PREDECESSOR_ONLY, *PREDECESSOR_SECTION_ONLY, *DUMP_TASKS.names(), *OTHER_TASKS, *LEGACY_KEYS,
                 *LEGACY_OPS, *compat.__all__})
 
 

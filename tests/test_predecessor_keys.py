@@ -17,7 +17,7 @@ import pytest
 
 from msprobe_engine.analysis.overflow import load_ignore_rules
 from msprobe_engine.analysis.precheck.runner import load_precheck_config
-from msprobe_engine.config.errors import ConfigError
+from msprobe_engine.errors import ConfigError
 from msprobe_engine.dump import load_dump_config
 
 REFERENCE = Path("/work/shared/reference/003_1db071c6eb59a882.txt")

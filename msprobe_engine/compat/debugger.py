@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from msprobe_engine.config.errors import ConfigError
+from msprobe_engine.errors import ConfigError
 from msprobe_engine.dump.config import DumpConfig
 from msprobe_engine.registry import load_framework
 

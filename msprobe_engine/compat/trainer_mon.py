@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from msprobe_engine.config.errors import ConfigError
+from msprobe_engine.errors import ConfigError
 from msprobe_engine.config.loader import from_dict, read_file
 
 log = logging.getLogger("msprobe_engine")

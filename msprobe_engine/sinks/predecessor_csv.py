@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from msprobe_engine.config.fields import at_least
+from msprobe_engine.fields import at_least
 from msprobe_engine.records import StepRecord
 from msprobe_engine.sinks.base import Sink, register_sink
 

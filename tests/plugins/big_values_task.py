@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from msprobe_engine.config.fields import at_least
+from msprobe_engine.fields import at_least
 from msprobe_engine.dump.recorder import register_recorder
 from msprobe_engine.dump.step_filter import iter_slots, keep_entries
 from msprobe_engine.dump.task import DumpTask, FullSelection, register_task

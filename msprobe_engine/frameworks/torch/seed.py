@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from msprobe_engine.config.errors import ConfigError
+from msprobe_engine.errors import ConfigError
 
 #: the predecessor's bound on the seed
 MAX_SEED = 2 ** 32 - 1
