@@ -122,7 +122,8 @@ def run_ut(dump_path: Path | str, out_dir: Path | str, *, device: str = "cpu", c
             if workers > 1 and len(cases) > 1:
                 from msprobe_engine.analysis.precheck.workers import check_in_workers
 
-                results = check_in_workers(dump, FRAMEWORK_OF_DUMP[dump.framework], cases, workers, device, check_case)
+                results = check_in_workers(dump, framework_where(dump_format=dump.framework, precheck=True), cases, workers,
+                                           device, check_case)
             else:
                 results = (check_case(case, precheck, device) for case in cases)
             for done, result in enumerate(results, 1):
