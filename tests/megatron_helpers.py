@@ -1,4 +1,4 @@
-"""Megatron-core 0.16.1 on a CPU: the test-only patches, a tiny GPTModel and a training step.
+"""Megatron-core (0.16.1 on Python 3.11, 0.19.2 on 3.12) on a CPU: the test-only patches, a tiny GPTModel and a training step.
 
 Shared by tests/test_megatron.py, examples/megatron_train.py and
 bench/megatron_overhead.py. The patches (see shared/notes/frameworks-on-cpu.md)
@@ -7,7 +7,9 @@ only make CUDA-only allocations land on the CPU; none of them is needed on GPUs:
    needs CUDA);
 2. `GlobalMemoryBuffer.get_tensor` allocates on the CPU;
 3. `torch.cuda.current_device()` answers "cpu", `torch.cuda.synchronize` does nothing
-   (Megatron's DDP) and the CUDA RNG state is the CPU's (the re-run engine saves it);
+   (Megatron's DDP), `torch.cuda.current_stream()` is a stream that waits for nothing
+   (megatron-core 0.19's grad sync) and the CUDA RNG state is the CPU's (the re-run engine
+   saves it);
 4. `torch.tensor/zeros/ones/empty(..., device="cuda")` allocate on the CPU (Megatron's
    optimizers, grad norm and re-run engine);
 5. while a Megatron optimizer is built, CPU tensors report CUDA type names (its
@@ -56,6 +58,7 @@ def patch_for_cpu() -> None:
     """Patches 2, 3 and 4 (process-wide, idempotent)."""
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.current_stream = lambda *args, **kwargs: _CPU_STREAM
     torch.cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     torch.cuda.set_rng_state = lambda *args, **kwargs: None
     megatron_utils.GlobalMemoryBuffer.get_tensor = _cpu_buffer_tensor
@@ -63,6 +66,19 @@ def patch_for_cpu() -> None:
         factory = getattr(torch, name)
         if not getattr(factory, "cuda_on_cpu", False):
             setattr(torch, name, _on_cpu(factory))
+
+
+class _NoWaitStream:
+    """What `torch.cuda.current_stream()` answers on a CPU: CPU work is already in order."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+
+_CPU_STREAM = _NoWaitStream()
 
 
 def _on_cpu(factory: Callable) -> Callable:
