@@ -100,3 +100,33 @@ def test_dead_experts_raise_one_alert_after_their_idle_steps_naming_them(tmp_pat
     assert not _starts(records, "expert_collapse")
     assert all(records[s].metrics[f"router/{ROUTER}/dead"] == 2 for s in range(FAULT_STEP, STEPS))
     assert all(math.isfinite(r.metrics[f"router/{ROUTER}/entropy"]) for r in records)
+
+
+def _router_table(loads: list[float]):
+    """A step's table holding one router's rows, as the router hooks make them."""
+    from msprobe_engine.stats import router
+    from msprobe_engine.stats.columns import COLUMN, empty_rows
+    from msprobe_engine.stats.table import MetricKey, StatTable
+
+    keys = [router.load_key("moe.gate", e) for e in range(len(loads))] + [MetricKey("router", "moe.gate", "entropy")]
+    rows = empty_rows(len(keys))
+    rows[:len(loads), COLUMN["sum"]] = loads
+    rows[:len(loads), COLUMN["numel"]] = 1
+    rows[-1, COLUMN["numel"]] = sum(loads) / TOP_K  # tokens
+    rows[-1, COLUMN["sum"]] = 0.5 * rows[-1, COLUMN["numel"]]
+    return StatTable(keys, rows)
+
+
+def test_dead_expert_counters_survive_a_restart_and_blame_the_dead_experts():
+    from msprobe_engine.rules import RULES
+
+    rule_class = RULES.get("dead_experts")
+    rule = rule_class(rule_class.Config(rule="dead_experts", steps=3))
+    idle = _router_table([4.0, 0.0, 4.0, 0.0])
+    assert rule.evaluate(idle, {}, {}) == [] and rule.evaluate(idle, {}, {}) == []
+    restarted = rule_class(rule_class.Config(rule="dead_experts", steps=3))
+    restarted.load_state_dict(rule.state_dict())
+    (firing,) = restarted.evaluate(idle, {}, {})  # the third idle step, counted across the restart
+    assert (firing.tag, firing.also) == ("router/moe.gate/load/1", ("router/moe.gate/load/3",))
+    assert restarted.blame(idle, None).tolist() == [False, True, False, True, False]
+    assert restarted.evaluate(_router_table([4.0, 1.0, 2.0, 1.0]), {}, {}) == []  # back to life

@@ -43,7 +43,7 @@ class DeadExpertsRule(Rule):
     def blame(self, table: StatTable, deviation: np.ndarray) -> np.ndarray:
         """The load rows of the dead experts."""
         dead = {tag for tag, idle in self._idle.items() if idle >= self.config.steps}
-        return np.array([k.kind == router.KIND and f"{k.kind}/{k.path}/{k.role.replace('.', '/', 1)}" in dead
+        return np.array([(e := router.expert_of(k)) is not None and router.load_tag(k.path, e) in dead
                          for k in table.keys], dtype=bool)
 
     def state_dict(self) -> dict[str, Any]:

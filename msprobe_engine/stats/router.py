@@ -44,6 +44,13 @@ def load_tag(path: str, expert: int) -> str:
     return f"{KIND}/{path}/{LOAD}/{expert}"
 
 
+def expert_of(key: MetricKey) -> int | None:
+    """The expert whose load a row holds (None: not a load row)."""
+    if key.kind == KIND and key.role.startswith(LOAD + "."):
+        return int(key.role[len(LOAD) + 1:])
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class RouterRows:
     """Where one router's rows are in a table: one load row per expert (in expert order),
@@ -61,8 +68,9 @@ def router_rows(keys: Sequence[MetricKey]) -> list[RouterRows]:
         if key.kind != KIND:
             continue
         entry = found.setdefault(key.path, {"loads": {}, ENTROPY: -1, TOPK_PROB: -1})
-        if key.role.startswith(LOAD + "."):
-            entry["loads"][int(key.role[len(LOAD) + 1:])] = i
+        expert = expert_of(key)
+        if expert is not None:
+            entry["loads"][expert] = i
         elif key.role in (ENTROPY, TOPK_PROB):
             entry[key.role] = i
     return [RouterRows(path, np.array([e["loads"][x] for x in sorted(e["loads"])], dtype=np.int64),
