@@ -111,6 +111,7 @@ def _router_table(loads: list[float]):
     keys = [router.load_key("moe.gate", e) for e in range(len(loads))] + [MetricKey("router", "moe.gate", "entropy")]
     rows = empty_rows(len(keys))
     rows[:len(loads), COLUMN["sum"]] = loads
+    rows[:len(loads), COLUMN["sumsq"]] = [x * x for x in loads]
     rows[:len(loads), COLUMN["numel"]] = 1
     rows[-1, COLUMN["numel"]] = sum(loads) / TOP_K  # tokens
     rows[-1, COLUMN["sum"]] = 0.5 * rows[-1, COLUMN["numel"]]
@@ -130,3 +131,13 @@ def test_dead_expert_counters_survive_a_restart_and_blame_the_dead_experts():
     assert (firing.tag, firing.also) == ("router/moe.gate/load/1", ("router/moe.gate/load/3",))
     assert restarted.blame(idle, None).tolist() == [False, True, False, True, False]
     assert restarted.evaluate(_router_table([4.0, 1.0, 2.0, 1.0]), {}, {}) == []  # back to life
+
+
+def test_an_expert_without_tokens_is_no_deviation_for_incidents():
+    """Incidents rank rows by their norm's fold change from its running average: a load of 0 would
+    be an infinite fold. Router rows are left out of it (their rules judge them)."""
+    from msprobe_engine.incident.deviation import RunningNorms
+
+    norms = RunningNorms(warmup=1)
+    norms.update(_router_table([4.0, 2.0, 4.0, 2.0]))
+    assert norms.deviation(_router_table([4.0, 0.0, 6.0, 2.0])).tolist() == [1.0] * 5
