@@ -1,8 +1,9 @@
 """Monitor overhead under Megatron-core: median step time with the monitor over without it.
 
 The tiny GPT (4 layers, hidden 128, 2 micro-batches of 4 x 64 tokens) trains with
-tensor parallel 2 or data parallel 2 (distributed optimizer) on two gloo CPU ranks, at
-OMP_NUM_THREADS=1. Three copies of the model live in the same two processes: without
+tensor parallel 2, data parallel 2 (distributed optimizer), or as a mixture of experts
+(`--parallel ep`: every MLP 4 experts, top-2, expert parallel 2: two experts per rank; the
+routers' health watched too) on two gloo CPU ranks, at OMP_NUM_THREADS=1. Three copies of the model live in the same two processes: without
 the tool, with configs/megatron/monitor.yaml, and with everything watched every step
 (module outputs and inputs, activation gradients, gradients, weights, Adam's moments,
 updates and update/weight ratios; as "everything" in bench/overhead.py). One step of
@@ -10,7 +11,7 @@ each in turn, the order rotating every round, so machine noise hits every config
 alike. Times are rank 0's. The LAST printed line is one JSON object mapping each
 config to its ratio over no tool (goal: <= 1.3).
 
-    OMP_NUM_THREADS=1 python bench/megatron_overhead.py [--parallel tp|dp] [--steps 40] [--warmup 5]
+    OMP_NUM_THREADS=1 python bench/megatron_overhead.py [--parallel tp|dp|ep] [--steps 40] [--warmup 5]
 """
 from __future__ import annotations
 
@@ -45,8 +46,9 @@ def rank_main(rank: int, world: int, parallel: str, steps: int, warmup: int, out
     from tests import megatron_helpers as H
 
     torch.set_num_threads(1)
-    H.init_parallel(tp=2 if parallel == "tp" else 1)
-    spec = H.TinySpec(layers=4, hidden=128, heads=4, vocab=256, seq=64, batch=4)
+    H.init_parallel(tp=2 if parallel == "tp" else 1, ep=2 if parallel == "ep" else 1)
+    spec = H.TinySpec(layers=4, hidden=128, heads=4, vocab=256, seq=64, batch=4, experts=4 if parallel == "ep" else 0)
+    own_data = parallel in ("dp", "ep")  # each rank its own micro-batches
     runs = {}
     for name in ["no tool", *configs]:
         model = H.wrap_ddp(H.build_gpt(spec), distributed_optimizer=parallel == "dp")
@@ -58,7 +60,7 @@ def rank_main(rank: int, world: int, parallel: str, steps: int, warmup: int, out
         runs[name] = (model, optimizer, monitor, [])
     names = list(runs)
     for i in range(steps + warmup):
-        batches = H.micro_batches(spec, 2, seed=i * world + (rank if parallel == "dp" else 0))
+        batches = H.micro_batches(spec, 2, seed=i * world + (rank if own_data else 0))
         shift = i % len(names)
         for name in names[shift:] + names[:shift]:
             model, optimizer, monitor, times = runs[name]
@@ -76,7 +78,7 @@ def rank_main(rank: int, world: int, parallel: str, steps: int, warmup: int, out
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parallel", choices=["tp", "dp"], default="tp")
+    parser.add_argument("--parallel", choices=["tp", "dp", "ep"], default="tp")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     args = parser.parse_args()

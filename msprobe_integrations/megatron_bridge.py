@@ -19,11 +19,11 @@ as it is:
 Bridge's checkpoints do not save callback state: keep `callback.monitor.state_dict()` with
 your checkpoint and give it back with `MonitorCallback(config, state=...)`.
 
-Not installed or run here: megatron-bridge 0.3.1 (the newest release for Python 3.11)
-requires `transformers<5.0.0` (this project: 5.23), `transformer-engine[core_cu13,pytorch]`,
-`mamba-ssm` and `causal-conv1d` (CUDA builds); see docs/megatron.md. The adapter is tested
-with real megatron-core 0.16.1 (which Bridge 0.3.1 accepts: >=0.15,<0.17) driven in Bridge's
-event order with contexts carrying the fields Bridge's `CallbackContext` gives.
+Tested (tests/test_megatron_bridge.py) through Bridge's own `CallbackManager` and
+`CallbackContext` from megatron-bridge 0.6.2's callbacks module, on megatron-core 0.19.2 in the
+Python 3.12 lane (the package itself does not import on a CPU: its `__init__` imports every model
+bridge, which needs Transformer Engine), and in Bridge's event order with stand-in contexts on
+megatron-core 0.16.1; see docs/megatron_bridge.md.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Megatron-core 0.16.1 on a CPU: the test-only patches, a tiny GPTModel and a training step.
+"""Megatron-core (0.16.1 on Python 3.11, 0.19.2 on 3.12) on a CPU: the test-only patches, a tiny GPTModel and a training step.
 
 Shared by tests/test_megatron.py, examples/megatron_train.py and
 bench/megatron_overhead.py. The patches (see shared/notes/frameworks-on-cpu.md)
@@ -7,11 +7,16 @@ only make CUDA-only allocations land on the CPU; none of them is needed on GPUs:
    needs CUDA);
 2. `GlobalMemoryBuffer.get_tensor` allocates on the CPU;
 3. `torch.cuda.current_device()` answers "cpu", `torch.cuda.synchronize` does nothing
-   (Megatron's DDP) and the CUDA RNG state is the CPU's (the re-run engine saves it);
+   (Megatron's DDP), `torch.cuda.current_stream()` is a stream that waits for nothing
+   (megatron-core 0.19's grad sync) and the CUDA RNG state is the CPU's (the re-run engine
+   saves it);
 4. `torch.tensor/zeros/ones/empty(..., device="cuda")` allocate on the CPU (Megatron's
    optimizers, grad norm and re-run engine);
 5. while a Megatron optimizer is built, CPU tensors report CUDA type names (its
-   constructors check them).
+   constructors check them);
+6. megatron-core 0.16.1 without Transformer Engine leaves `moe_utils.te_general_gemm`
+   undefined (the MoE router's gating raises NameError); it is set to None, as 0.19 does.
+MoE models use the `allgather` token dispatcher (`alltoall` creates CUDA streams).
 `train_step` is the shape of Megatron-LM's: forward and backward over the
 micro-batches (pipeline stages exchange activations with send/recv, one
 micro-batch at a time) and `finalize_model_grads`, under the re-run engine's
@@ -38,6 +43,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import FP32Optimizer
 from megatron.core.rerun_state_machine import (RerunMode, destroy_rerun_state_machine, get_rerun_state_machine,
                                                 initialize_rerun_state_machine)
+from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -50,19 +56,36 @@ class TinySpec:
     vocab: int = 128
     seq: int = 16
     batch: int = 2
+    experts: int = 0  # > 0: every MLP a mixture of this many experts (top-2 routing)
 
 
 def patch_for_cpu() -> None:
     """Patches 2, 3 and 4 (process-wide, idempotent)."""
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.current_stream = lambda *args, **kwargs: _CPU_STREAM
     torch.cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     torch.cuda.set_rng_state = lambda *args, **kwargs: None
     megatron_utils.GlobalMemoryBuffer.get_tensor = _cpu_buffer_tensor
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
     for name in ("tensor", "zeros", "ones", "empty"):
         factory = getattr(torch, name)
         if not getattr(factory, "cuda_on_cpu", False):
             setattr(torch, name, _on_cpu(factory))
+
+
+class _NoWaitStream:
+    """What `torch.cuda.current_stream()` answers on a CPU: CPU work is already in order."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+
+_CPU_STREAM = _NoWaitStream()
 
 
 def _on_cpu(factory: Callable) -> Callable:
@@ -80,7 +103,7 @@ def _cpu_buffer_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None) 
 
 
 def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234,
-                  rerun_mode: RerunMode = RerunMode.DISABLED) -> None:
+                  rerun_mode: RerunMode = RerunMode.DISABLED, ep: int = 1) -> None:
     """gloo process group (from the RANK/WORLD_SIZE/MASTER_* environment), Megatron's groups
     and its re-run engine."""
     patch_for_cpu()
@@ -90,7 +113,8 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234,
             os.environ.setdefault(key, value)
         dist.init_process_group("gloo")
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             expert_model_parallel_size=ep)
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)  # patch 1
     torch.manual_seed(seed)
     fresh_rerun_engine(rerun_mode)
@@ -110,23 +134,41 @@ def build_gpt(spec: TinySpec = TinySpec(), seed: int = 1234) -> GPTModel:
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         pipeline_dtype=torch.float32, use_cpu_initialization=True, gradient_accumulation_fusion=False,
         persist_layer_norm=False, bias_activation_fusion=False, bias_dropout_fusion=False,
-        masked_softmax_fusion=False, apply_rope_fusion=False, hidden_dropout=0.0, attention_dropout=0.0)
-    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=spec.vocab, max_sequence_length=spec.seq,
+        masked_softmax_fusion=False, apply_rope_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
+        **_moe(spec))
+    layer_spec = get_gpt_layer_local_spec(**({"num_experts": spec.experts, "moe_grouped_gemm": False}
+                                              if spec.experts else {}))
+    model = GPTModel(config, layer_spec, vocab_size=spec.vocab, max_sequence_length=spec.seq,
                      pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage())
     _init_by_global_name(model, seed)
     return model
 
 
+def _moe(spec: TinySpec) -> dict:
+    """The TransformerConfig keys of an MoE model: top-2 routing without load-balancing loss
+    (its value depends on how tokens are split into micro-batches), the allgather dispatcher."""
+    if not spec.experts:
+        return {}
+    return {"num_moe_experts": spec.experts, "moe_router_topk": 2, "moe_router_load_balancing_type": "none",
+            "moe_token_dispatcher_type": "allgather", "moe_grouped_gemm": False, "add_bias_linear": False,
+            "expert_model_parallel_size": parallel_state.get_expert_model_parallel_world_size()}
+
+
 def _init_by_global_name(model: GPTModel, seed: int) -> None:
-    """Every weight drawn from a generator seeded by its global name (whatever stage holds
-    it), then cut to this rank's tensor-parallel part as Megatron's CPU initialisation does."""
+    """Every weight drawn from a generator seeded by its global name (whatever stage, or
+    expert-parallel rank, holds it), then cut to this rank's tensor-parallel part as Megatron's
+    CPU initialisation does."""
     tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
-    offsets = {f"decoder.layers.{i}.": f"decoder.layers.{layer.layer_number - 1}."
-               for i, layer in enumerate(model.decoder.layers)}
+    offsets = {}
+    for i, layer in enumerate(model.decoder.layers):
+        offsets[f"decoder.layers.{i}."] = f"decoder.layers.{layer.layer_number - 1}."
+        for j, expert in enumerate(getattr(layer.mlp, "local_expert_indices", [])):
+            offsets[f"decoder.layers.{i}.mlp.experts.local_experts.{j}."] = \
+                f"decoder.layers.{layer.layer_number - 1}.mlp.experts.local_experts.{expert}."
     with torch.no_grad():
         for name, param in model.named_parameters():
-            local = next((k for k in offsets if name.startswith(k)), None)
+            local = max((k for k in offsets if name.startswith(k)), key=len, default=None)
             name = offsets[local] + name[len(local):] if local else name
             shape = list(param.shape)
             partitioned = getattr(param, "tensor_model_parallel", False) and tp > 1

@@ -41,6 +41,8 @@ class Watch:
     params: bool = False
     optimizer_state: list[str] = field(
         default_factory=lambda: ["exp_avg", "exp_avg_sq"], metadata=choices(*OPTIMIZER_STATES))
+    #: mixture-of-experts routers' health (`router/` tags: load per expert, imbalance, entropy)
+    routers: bool = True
 
 
 @dataclass(kw_only=True, slots=True)

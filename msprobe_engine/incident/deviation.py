@@ -3,7 +3,9 @@
 The deviation of a row is its fold change, ``max(norm / average, average / norm)``: 1 for
 a row at its average, 1000 for one a thousand times above (or below) it, inf for a
 non-finite norm. Rows seen fewer than `warmup` times have deviation 1. Non-finite norms do
-not enter the average.
+not enter the average. MoE router rows (token counts, per-token entropies: `stats.router`) are
+no tensor norms and have deviation 1 (an expert without a token would be an infinite fold);
+their own rules judge them.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import numpy as np
 
 from msprobe_engine.incident.culprit import row_name
 from msprobe_engine.incident.graph import HIDDEN_KINDS
-from msprobe_engine.stats import P_NUMEL, P_SUMSQ
+from msprobe_engine.stats import P_NUMEL, P_SUMSQ, router
 from msprobe_engine.stats.table import MetricKey, StatTable
 
 
@@ -24,12 +26,14 @@ class RunningNorms:
         self._slot: dict[MetricKey, int] = {}
         self._average = np.zeros(0)
         self._seen = np.zeros(0, dtype=np.int64)
-        self._last: tuple[list[MetricKey], np.ndarray] = ([], np.zeros(0, dtype=np.int64))
+        self._last: tuple[list[MetricKey], np.ndarray, np.ndarray] = ([], np.zeros(0, dtype=np.int64),
+                                                                       np.zeros(0, dtype=bool))
 
     def deviation(self, table: StatTable) -> np.ndarray:
         """Fold change of each row of `table` against the averages so far (no update)."""
         slots = self._slots(table.keys)
         norms, empty = _norms(table)
+        empty = empty | self._last[2]
         average, seen = self._average[slots], self._seen[slots]
         with np.errstate(divide="ignore", invalid="ignore"):
             fold = np.maximum(norms / average, average / norms)
@@ -41,7 +45,7 @@ class RunningNorms:
         """Fold the finite norms of `table` into the averages."""
         slots = self._slots(table.keys)
         norms, empty = _norms(table)
-        ok = np.isfinite(norms) & ~empty
+        ok = np.isfinite(norms) & ~empty & ~self._last[2]
         slots, norms = slots[ok], norms[ok]
         first = self._seen[slots] == 0
         old = self._average[slots]
@@ -58,7 +62,7 @@ class RunningNorms:
             self._average = np.concatenate([self._average, np.zeros(len(new))])
             self._seen = np.concatenate([self._seen, np.zeros(len(new), dtype=np.int64)])
         slots = np.array([self._slot[k] for k in keys], dtype=np.int64)
-        self._last = (list(keys), slots)
+        self._last = (list(keys), slots, np.array([k.kind == router.KIND for k in keys], dtype=bool))
         return slots
 
 

@@ -1,2 +1,3 @@
 """The built-in rules, one file each (importing this module registers them)."""
-from msprobe_engine.rules import misreported_grad_norm, non_finite, replica_drift, spike, trend  # noqa: F401
+from msprobe_engine.rules import (dead_experts, expert_collapse, misreported_grad_norm, non_finite,  # noqa: F401
+                                  replica_drift, spike, trend)

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from msprobe_engine.stats import router
 from msprobe_engine.stats.columns import P_SUMSQ
 from msprobe_engine.stats.table import MetricKey, StatTable
 
@@ -17,19 +18,21 @@ class _Layout:
     """What a table's keys make, computed once per distinct key list: the tags in order, and
     for each the (row, column) of its value in the matrix of the configured statistics (the
     last column: the mean, for scalar kinds); the gradient rows; the update/param row pairs
-    of the ratios."""
+    of the ratios; the MoE routers' rows."""
     tags: list[str]
     rows: np.ndarray
     columns: np.ndarray
     grads: np.ndarray
     ratios: list[tuple[str, int, int]]
+    routers: list[router.RouterRows]
 
 
 class MetricNamer:
     """Builds `tag -> value` for a table: the configured statistics of every visible row,
-    `train/<name>` for training scalars, `grad/global/norm`, and `optim/<param>/ratio` when
-    asked. The tags and where each value comes from are computed once per key list (a
-    training run repeats the same few); a step then costs one gather and one dict build."""
+    `train/<name>` for training scalars, `grad/global/norm`, `optim/<param>/ratio` when
+    asked, and the MoE routers' health (`stats.router`). The tags and where each value comes
+    from are computed once per key list (a training run repeats the same few); a step
+    then costs one gather and one dict build."""
 
     def __init__(self, stats: list[str], ratios: bool, hidden_kinds: frozenset[str] = frozenset()) -> None:
         self.stats = stats
@@ -53,6 +56,8 @@ class MetricNamer:
             with np.errstate(divide="ignore", invalid="ignore"):
                 for tag, update, param in layout.ratios:
                     metrics[tag] = float(norm[update] / norm[param])
+        if layout.routers:
+            metrics.update(router.router_metrics(router.router_health(table, layout.routers)))
         table.metrics = metrics
         return metrics
 
@@ -75,7 +80,7 @@ class MetricNamer:
                 tags.append(f"{key.kind}/{key.path}")
                 rows.append(i)
                 columns.append(mean)
-            elif key.kind not in self.hidden_kinds:
+            elif key.kind not in self.hidden_kinds and key.kind != router.KIND:
                 tags += [key.tag(stat) for stat in self.stats]
                 rows += [i] * len(self.stats)
                 columns += range(len(self.stats))
@@ -85,4 +90,5 @@ class MetricNamer:
             param = {key.path: i for i, key in enumerate(keys) if key.kind == "param"}
             ratios = [(f"optim/{key.path}/ratio", i, param[key.path]) for i, key in enumerate(keys)
                       if key.kind == "optim" and key.role == "update" and key.path in param]
-        return _Layout(tags, np.array(rows, dtype=np.int64), np.array(columns, dtype=np.int64), grads, ratios)
+        return _Layout(tags, np.array(rows, dtype=np.int64), np.array(columns, dtype=np.int64), grads, ratios,
+                       router.router_rows(keys))

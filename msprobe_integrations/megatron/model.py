@@ -1,10 +1,12 @@
-"""Model chunks: unwrapping Megatron's wrappers and naming with global layer numbers.
+"""Model chunks: unwrapping Megatron's wrappers and naming with global layer and expert numbers.
 
 A pipeline stage (or a virtual-pipeline chunk) holds `decoder.layers.0 ..` with
 local indices. Megatron records the global, 1-based number of every transformer
 layer in its `layer_number` attribute (offset by the pipeline stage and the
 virtual stage); the reported names use it, so `decoder.layers.<i>` always means
-the i-th layer of the whole model, whichever stage holds it.
+the i-th layer of the whole model, whichever stage holds it. Likewise an MoE layer's
+`local_expert_indices` (the global numbers of the experts this expert-parallel rank
+holds) renames `mlp.experts.local_experts.<j>` to the global expert number.
 """
 from __future__ import annotations
 
@@ -28,14 +30,22 @@ class Chunk:
     rename: Callable[[str], str]
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        """Trainable dense parameters under their reported (global) names."""
-        return [(self.rename(n), p) for n, p in self.module.named_parameters()
-                if p.requires_grad and not is_expert(p)]
+        """Trainable parameters under their reported (global) names."""
+        return [(self.rename(n), p) for n, p in self.module.named_parameters() if p.requires_grad]
 
 
 def is_expert(param: torch.nn.Parameter) -> bool:
     """Megatron marks expert-parallel (MoE) parameters with `allreduce=False`."""
     return getattr(param, "allreduce", True) is False
+
+
+def num_experts(chunks: Sequence[Chunk]) -> int:
+    """The model's number of experts per MoE layer (`config.num_moe_experts`; 0: no MoE)."""
+    for chunk in chunks:
+        for module in chunk.module.modules():
+            if isinstance(getattr(module, "local_expert_indices", None), list):
+                return int(module.config.num_moe_experts)
+    return 0
 
 
 def unwrap_chunks(model_chunks: Any) -> list[Chunk]:
@@ -78,11 +88,11 @@ def describe_problems(chunks: Sequence[Chunk], tensor_parallel: int, data_parall
         if not isinstance(chunk.module, MegatronModule):
             problems.append(f"model chunk {index} ({kind}) is not a Megatron module: its parameters "
                             "carry no tensor-parallel attributes and are treated as replicated")
-        experts = sum(1 for p in chunk.module.parameters() if is_expert(p))
-        if experts:
-            problems.append(f"model chunk {index} ({kind}) has {experts} expert-parallel (MoE) "
-                            "parameters: expert parallelism is not supported, their gradients, "
-                            "weights and state are not monitored")
+        grouped = [n for n, p in chunk.module.named_parameters() if is_expert(p) and ".local_experts." not in n]
+        if grouped:
+            problems.append(f"model chunk {index} ({kind}) has expert parameters outside "
+                            f"experts.local_experts (grouped GEMM experts, e.g. {grouped[0]}): they are "
+                            "named by local position, not by global expert number")
         if chunk.ddp is None and data_parallel > 1:
             problems.append(f"model chunk {index} ({kind}) is not wrapped in Megatron's "
                             "DistributedDataParallel although data-parallel size is "
@@ -94,17 +104,11 @@ def global_layer_names(module: torch.nn.Module) -> Callable[[str], str]:
     """Return a function mapping a local module or parameter path to its global name.
 
     Every submodule at `<list>.<i>` with an int `layer_number` (Megatron's global,
-    1-based layer number) is renamed `<list>.<layer_number - 1>`; other paths keep
-    their name.
+    1-based layer number) is renamed `<list>.<layer_number - 1>`; the j-th of an MoE
+    layer's `experts.local_experts` is renamed after `local_expert_indices[j]` (its global
+    expert number); other paths keep their name.
     """
     renames: dict[str, str] = {}
-    for name, sub in module.named_modules():
-        head, _, index = name.rpartition(".")
-        number = getattr(sub, "layer_number", None)
-        if head and index.isdigit() and isinstance(number, int):
-            renames[name] = f"{head}.{number - 1}"
-    if not renames:
-        return lambda path: path
 
     def rename(path: str) -> str:
         parts = path.split(".")
@@ -114,6 +118,17 @@ def global_layer_names(module: torch.nn.Module) -> Callable[[str], str]:
                 return ".".join([hit, *parts[end:]])
         return path
 
+    for name, sub in module.named_modules():  # parents first: a layer is renamed before its experts
+        head, _, index = name.rpartition(".")
+        number = getattr(sub, "layer_number", None)
+        if head and index.isdigit() and isinstance(number, int):
+            renames[name] = f"{rename(head)}.{number - 1}"
+        experts = getattr(getattr(sub, "experts", None), "local_experts", None)
+        indices = getattr(sub, "local_expert_indices", None)
+        if isinstance(experts, torch.nn.ModuleList) and isinstance(indices, list) and len(indices) == len(experts):
+            inner = f"{name}.experts.local_experts" if name else "experts.local_experts"
+            for j, number in enumerate(indices):
+                renames[f"{inner}.{j}"] = f"{rename(inner)}.{number}"
     return rename
 
 

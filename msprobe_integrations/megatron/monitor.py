@@ -1,6 +1,7 @@
 """`MegatronMonitor`: the engine's `Monitor` wired into Megatron-core chunks and optimizer."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -14,9 +15,11 @@ from msprobe_engine.config import ConfigSource, load_config
 from msprobe_engine.contract import Integration
 from msprobe_engine.monitor import Monitor
 from msprobe_engine.stats.table import MetricKey
-from msprobe_integrations.megatron.model import describe_problems, prefix_if_clashing, unwrap_chunks
+from msprobe_integrations.megatron.experts import complete_experts
+from msprobe_integrations.megatron.model import describe_problems, num_experts, prefix_if_clashing, unwrap_chunks
 from msprobe_integrations.megatron.optim import OptimizerTap, check_optimizer, find_slots
 from msprobe_integrations.megatron.parallel import Layout, StatReducer
+from msprobe_integrations.megatron.routers import watch_routers
 from msprobe_integrations.megatron.wrapping import MethodWrap
 
 #: the value Megatron's result validation rejected, recorded with the failing step
@@ -24,6 +27,9 @@ REJECTED = MetricKey("train", "megatron_rejected")
 #: modules whose output is not measured: Megatron's placeholders, and the block of layers
 #: (its output is its last layer's or final norm's, and each pipeline stage has one)
 UNWATCHED = (IdentityOp, IdentityFuncOp, TransformerBlock)
+#: under expert parallelism, each rank runs other experts on other tokens: their activations
+#: are not measured (their parameters are, merged; the routers' load says what each expert got)
+EXPERT_MODULES = r"\.experts\.local_experts\.\d+(\.|$)"
 
 
 class MegatronMonitor(Integration):
@@ -45,6 +51,11 @@ class MegatronMonitor(Integration):
         layout = Layout.of(chunks)
         named = [item for chunk in chunks for item in chunk.named_parameters()]
         slots, sharded, more = find_slots(optimizer, named)
+        if layout.ep_size > 1:
+            layout.check_experts()
+            slots = complete_experts(slots, num_experts(chunks))
+            modules = dataclasses.replace(config.modules, exclude_regex=[*config.modules.exclude_regex, EXPERT_MODULES])
+            config = dataclasses.replace(config, modules=modules)
         partitioned = {name for name, p in named if getattr(p, "tensor_model_parallel", False)}
         kwargs.setdefault("writes", config.per_rank or layout.stage_leader)
         kwargs.setdefault("backend", torch_backend)
@@ -63,6 +74,7 @@ class MegatronMonitor(Integration):
         monitor.add_attachment(*[ModuleHooks(monitor, chunk.module, name_map=chunk.rename, counts_micro_steps=i == 0,
                                              exclude_types=UNWATCHED)
                                  for i, chunk in enumerate(chunks)])
+        monitor.add_attachment(*watch_routers(monitor, chunks))
         # Megatron's norm covers every pipeline stage, the monitor's merged one this stage's only
         monitor.add_attachment(OptimizerTap(monitor, optimizer, slots, reports_norm=layout.pp_size == 1))
         if layout.pp_size > 1 and any(rule.rule == "misreported_grad_norm" for rule in config.alerts):

@@ -14,6 +14,14 @@ Per row, the merge is exact:
   bits (a replicated tensor) and merged otherwise (a partitioned one: the output
   of a column-parallel layer, or of any layer under sequence parallelism).
 
+Under expert parallelism (EP > 1) the data-parallel group is the grid of the
+expert-data-parallel group (ranks holding the same experts) and the expert-parallel group
+(ranks holding different experts), and the data-parallel merge is done as two all-gathers,
+over the first and then the second: an expert parameter's rows are taken once over its
+replicas (merged when the distributed optimizer shards it) and merged over the
+expert-parallel group (where only the rank holding the expert has a non-empty row, see
+`experts.complete_experts`); every other row merges as over the whole data-parallel group.
+
 Pipeline stages hold different layers: nothing is merged across them.
 """
 from __future__ import annotations
@@ -28,6 +36,7 @@ from megatron.core import parallel_state
 from msprobe_engine.frameworks.torch.distributed import AUTO, MERGE, ONCE, GroupMerge, layout_checksum
 from msprobe_engine.reducer import Reducer
 from msprobe_engine.stats.table import MetricKey
+from msprobe_integrations.megatron.experts import is_expert_path
 from msprobe_integrations.megatron.model import Chunk
 
 #: row kinds measured on parameters (gradient, weight, optimizer state)
@@ -36,23 +45,41 @@ PARAM_KINDS = frozenset({"grad", "param", "optim"})
 
 @dataclass(frozen=True)
 class Layout:
-    """This rank's tensor- and data-parallel (with context-parallel) groups, and the
-    number of pipeline stages."""
+    """This rank's tensor- and data-parallel (with context-parallel) groups, the number of
+    pipeline stages, and the expert-parallel and expert-data-parallel groups."""
     tp_group: object
     dp_group: object
     pp_size: int = 1
+    ep_group: object = None
+    edp_group: object = None
 
     @classmethod
     def of(cls, chunks: Sequence[Chunk]) -> "Layout":
         """The groups of the first DDP-wrapped chunk, else those of `parallel_state`."""
         ddp = next((c.ddp for c in chunks if c.ddp is not None), None)
         if ddp is not None:
-            return cls(ddp.tp_group, ddp.dp_cp_group, dist.get_world_size(ddp.pp_group))
+            return cls(ddp.tp_group, ddp.dp_cp_group, dist.get_world_size(ddp.pp_group),
+                       getattr(ddp, "ep_group", None), getattr(ddp, "expt_dp_group", None))
         if not (dist.is_initialized() and parallel_state.model_parallel_is_initialized()):
             return cls(None, None)
         return cls(parallel_state.get_tensor_model_parallel_group(),
                    parallel_state.get_data_parallel_group(with_context_parallel=True),
-                   parallel_state.get_pipeline_model_parallel_world_size())
+                   parallel_state.get_pipeline_model_parallel_world_size(),
+                   parallel_state.get_expert_model_parallel_group(check_initialized=False),
+                   parallel_state.get_expert_data_parallel_group(check_initialized=False))
+
+    @property
+    def ep_size(self) -> int:
+        return self.size(self.ep_group)
+
+    def check_experts(self) -> None:
+        """Expert parallelism is merged over the expert-data-parallel x expert-parallel grid of the
+        data-parallel group; raise on a layout that is not that grid."""
+        if self.ep_size > 1 and self.size(self.dp_group) != self.size(self.edp_group) * self.ep_size:
+            raise ValueError(f"MegatronMonitor: expert-parallel size {self.ep_size} x expert-data-parallel size "
+                             f"{self.size(self.edp_group)} is not the data-parallel size {self.size(self.dp_group)} "
+                             "(context parallel or an expert tensor-parallel size other than the tensor-parallel "
+                             "size with expert parallelism): not supported")
 
     def size(self, group: object) -> int:
         return dist.get_world_size(group) if group is not None else 1
@@ -74,7 +101,13 @@ class StatReducer(Reducer):
         self.tp_partitioned = tp_partitioned
         self.dp_sharded = dp_sharded
         self.tp = GroupMerge(layout.tp_group, "tensor") if layout.size(layout.tp_group) > 1 else None
-        self.dp = GroupMerge(layout.dp_group, "data") if layout.size(layout.dp_group) > 1 else None
+        self.dp = self.edp = self.ep = None
+        if layout.ep_size > 1:  # data parallel = expert data parallel x expert parallel
+            layout.check_experts()
+            self.ep = GroupMerge(layout.ep_group, "expert")
+            self.edp = GroupMerge(layout.edp_group, "expert data") if layout.size(layout.edp_group) > 1 else None
+        elif layout.size(layout.dp_group) > 1:
+            self.dp = GroupMerge(layout.dp_group, "data")
 
     def tp_policy(self, key: MetricKey) -> str:
         if key.kind in PARAM_KINDS:
@@ -84,10 +117,18 @@ class StatReducer(Reducer):
     def dp_policy(self, key: MetricKey) -> str:
         return ONCE if key.kind in PARAM_KINDS and key.path not in self.dp_sharded else MERGE
 
+    def ep_policy(self, key: MetricKey) -> str:
+        """Over the expert-parallel group: an expert's rows come from the rank holding it."""
+        return MERGE if key.kind in PARAM_KINDS and is_expert_path(key.path) else self.dp_policy(key)
+
     def merge(self, keys: Sequence[MetricKey], rows: torch.Tensor) -> torch.Tensor:
         checksum = layout_checksum(keys)
         if self.tp is not None:
             rows = self.tp(keys, rows, self.tp_policy, checksum)
         if self.dp is not None:
             rows = self.dp(keys, rows, self.dp_policy, checksum)
+        if self.edp is not None:
+            rows = self.edp(keys, rows, self.dp_policy, checksum)
+        if self.ep is not None:
+            rows = self.ep(keys, rows, self.ep_policy, checksum)
         return rows

@@ -5,13 +5,15 @@ from typing import Any, Callable
 
 
 class MethodWrap:
-    """`obj.name` replaced by a wrapper that returns `after(result)` once the original returned
-    `result`, or calls `on_error(args, kwargs)` before an exception propagates. `remove()`
+    """`obj.name` replaced by a wrapper that returns `after(result)` (or `after_call(args, kwargs,
+    result)`) once the original returned `result`, or calls `on_error(args, kwargs)` before an
+    exception propagates. `remove()`
     makes the wrapper call nothing but the original, and restores the previous attribute
     while the wrapper is still in place (a later wrapper from another tool keeps working)."""
 
     def __init__(self, obj: Any, name: str, after: Callable[[Any], Any] | None = None,
-                 on_error: Callable[[tuple, dict], None] | None = None) -> None:
+                 on_error: Callable[[tuple, dict], None] | None = None,
+                 after_call: Callable[[tuple, dict, Any], Any] | None = None) -> None:
         original = getattr(obj, name)
         self._obj, self._name, self._live = obj, name, True
         self._previous = obj.__dict__.get(name)
@@ -25,6 +27,8 @@ class MethodWrap:
                 raise
             if self._live and after is not None:
                 return after(result)
+            if self._live and after_call is not None:
+                return after_call(args, kwargs, result)
             return result
 
         self._wrapper = wrapper

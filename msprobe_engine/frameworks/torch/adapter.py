@@ -10,6 +10,7 @@ from msprobe_engine.frameworks.torch import backend, cpu_reduce, tensor_files
 from msprobe_engine.frameworks.torch.module_hooks import ModuleHooks
 from msprobe_engine.frameworks.torch.optimizer_hooks import OptimizerHooks
 from msprobe_engine.frameworks.torch.replay import TorchReplayHost
+from msprobe_engine.frameworks.torch.router_hooks import attach_routers
 
 if TYPE_CHECKING:
     from msprobe_engine.contract import MonitorPort
@@ -28,7 +29,7 @@ class TorchFramework:
         now for a model with CPU parameters, not in the first monitored step."""
         if any(p.is_cpu for p in model.parameters()):
             cpu_reduce.prepare()
-        return [ModuleHooks(monitor, model), OptimizerHooks(monitor, model, optimizer)]
+        return [ModuleHooks(monitor, model), OptimizerHooks(monitor, model, optimizer), *attach_routers(monitor, model)]
 
     def replay_host(self) -> TorchReplayHost:
         return TorchReplayHost()

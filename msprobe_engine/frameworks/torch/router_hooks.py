@@ -1,0 +1,146 @@
+"""Mixture-of-experts routers: where they are, and their health measured on the device.
+
+`find_routers(model)` finds the routers of transformers' MoE models by what they are, not by
+their class names: a module with int `top_k` and `num_experts` whose forward returns
+`(router_logits, router_scores, router_indices)` (transformers 5: Mixtral, Qwen2-MoE,
+Qwen3-MoE, ...), or an MoE block with int `top_k` (or `num_experts_per_tok`) and
+`num_experts`, whose `gate` is an `nn.Linear` with `num_experts` outputs (the router logits;
+transformers 4). Megatron-core's `TopKRouter` is found by the Megatron adapter, which feeds
+`router_rows` from its routing.
+
+Per router and micro-batch, `router_rows` makes the rows `stats.router` describes: the
+load of each expert (token assignments, no host sync), the normalised entropy of the router's
+distribution per token, and the mean probability of the chosen experts per token. The
+distribution is the softmax of the logits (`score="sigmoid"`: sigmoid scores, normalised).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from msprobe_engine.frameworks.torch.module_hooks import in_backward
+from msprobe_engine.stats import router
+from msprobe_engine.stats.table import MetricKey
+
+if TYPE_CHECKING:
+    from msprobe_engine.monitor import Monitor
+
+
+@dataclass
+class RouterSite:
+    """One router: its reported path, its module, its expert count and top-k, and how its
+    output is read (`read(output) -> (logits, chosen)`, None when the router's own forward
+    is not hooked)."""
+    path: str
+    module: torch.nn.Module
+    experts: int
+    top_k: int
+    score: str = "softmax"
+    read: Callable[[object], tuple[torch.Tensor, torch.Tensor]] | None = None
+    keys: list[MetricKey] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.keys = [router.load_key(self.path, e) for e in range(self.experts)] + [
+            MetricKey(router.KIND, self.path, router.ENTROPY), MetricKey(router.KIND, self.path, router.TOPK_PROB)]
+
+
+def find_routers(model: torch.nn.Module, rename: Callable[[str], str] = str) -> list[RouterSite]:
+    """transformers' routers in `model` (see the module docstring), under `rename(path)`."""
+    sites: list[RouterSite] = []
+    taken: set[int] = set()
+    for name, module in model.named_modules():
+        experts = _int(module, "num_experts")
+        top_k = _int(module, "top_k") or _int(module, "num_experts_per_tok")
+        if not (experts and top_k) or id(module) in taken:
+            continue
+        gate = getattr(module, "gate", None)
+        if isinstance(gate, torch.nn.Linear) and gate.out_features == experts:  # a block and its logits
+            taken.add(id(gate))
+            sites.append(RouterSite(rename(f"{name}.gate" if name else "gate"), gate, experts, top_k,
+                                    read=_logits_only(top_k)))
+        elif isinstance(getattr(module, "weight", None), torch.Tensor) and module.weight.shape[0] == experts:
+            taken.add(id(module))  # a router module of its own: (logits, scores, indices)
+            sites.append(RouterSite(rename(name), module, experts, top_k, read=_logits_and_indices))
+    return sites
+
+
+def router_rows(site: RouterSite, logits: torch.Tensor, chosen: torch.Tensor) -> list[torch.Tensor]:
+    """The rows' tensors (in `site.keys` order) for one routing: `logits` [..., experts], `chosen`
+    the experts each token was sent to, as indices [..., k] or as a boolean map [..., experts]."""
+    experts = site.experts
+    with torch.no_grad():
+        logits = logits.detach().reshape(-1, experts).float()
+        if site.score == "sigmoid":
+            scores = torch.sigmoid(logits)
+            probs = scores / scores.sum(-1, keepdim=True)
+        else:
+            probs = torch.softmax(logits, dim=-1)
+        entropy = torch.special.entr(probs).sum(-1) / math.log(experts) if experts > 1 else probs[:, 0] * 0
+        chosen = chosen.detach()
+        if chosen.dtype == torch.bool:
+            routed = chosen.reshape(-1, experts)
+            loads = routed.sum(0, dtype=torch.float32)
+            top = (probs * routed).sum(-1) / site.top_k
+        else:
+            index = chosen.reshape(-1, chosen.shape[-1]).long()
+            loads = torch.zeros(experts, device=probs.device).index_add_(
+                0, index.flatten(), torch.ones(index.numel(), device=probs.device))
+            top = probs.gather(1, index).mean(-1)
+    return [*loads.unbind(), entropy, top]
+
+
+class RouterHooks:
+    """Forward hooks on routers that return their logits (and chosen experts)."""
+
+    def __init__(self, monitor: "Monitor", sites: list[RouterSite]) -> None:
+        self.monitor = monitor
+        self.sites = sites
+        self.handles = [site.module.register_forward_hook(self._make_hook(site)) for site in sites
+                        if site.read is not None]
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def _make_hook(self, site: RouterSite):
+        monitor = self.monitor
+        where = f"router hook of {site.path}"
+
+        def hook(module, args, output):
+            if not monitor.active or where in monitor.disabled or in_backward():  # recomputation: counted once
+                return
+            try:
+                monitor.add_tensors(site.keys, router_rows(site, *site.read(output)))
+            except Exception as exc:
+                monitor.hook_failed(where, exc)
+
+        return hook
+
+
+def _logits_and_indices(output) -> tuple[torch.Tensor, torch.Tensor]:
+    if not (isinstance(output, tuple) and len(output) >= 2 and not output[-1].is_floating_point()):
+        raise TypeError("a router returning (router_logits, ..., router_indices) was expected, got "
+                        f"{type(output).__name__}")
+    return output[0], output[-1]
+
+
+def _logits_only(top_k: int) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    def read(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return logits, torch.topk(logits.detach(), top_k, dim=-1).indices  # the softmax keeps the order
+
+    return read
+
+
+def _int(module: torch.nn.Module, name: str) -> int:
+    value = getattr(module, name, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def attach_routers(monitor: "Monitor", model: torch.nn.Module) -> list[RouterHooks]:
+    """The router hooks of `model` when `watch.routers` is on and it has transformers-style routers."""
+    sites = find_routers(model) if monitor.config.watch.routers else []
+    return [RouterHooks(monitor, sites)] if sites else []
