@@ -105,16 +105,16 @@ def test_dead_experts_raise_one_alert_after_their_idle_steps_naming_them(tmp_pat
 def _router_table(loads: list[float]):
     """A step's table holding one router's rows, as the router hooks make them."""
     from msprobe_engine.stats import router
-    from msprobe_engine.stats.columns import COLUMN, empty_rows
+    from msprobe_engine.stats.columns import empty_rows, index
     from msprobe_engine.stats.table import MetricKey, StatTable
 
     keys = [router.load_key("moe.gate", e) for e in range(len(loads))] + [MetricKey("router", "moe.gate", "entropy")]
     rows = empty_rows(len(keys))
-    rows[:len(loads), COLUMN["sum"]] = loads
-    rows[:len(loads), COLUMN["sumsq"]] = [x * x for x in loads]
-    rows[:len(loads), COLUMN["numel"]] = 1
-    rows[-1, COLUMN["numel"]] = sum(loads) / TOP_K  # tokens
-    rows[-1, COLUMN["sum"]] = 0.5 * rows[-1, COLUMN["numel"]]
+    rows[:len(loads), index("sum")] = loads
+    rows[:len(loads), index("sumsq")] = [x * x for x in loads]
+    rows[:len(loads), index("numel")] = 1
+    rows[-1, index("numel")] = sum(loads) / TOP_K  # tokens
+    rows[-1, index("sum")] = 0.5 * rows[-1, index("numel")]
     return StatTable(keys, rows)
 
 
