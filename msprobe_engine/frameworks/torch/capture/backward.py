@@ -24,9 +24,14 @@ from torch.autograd.graph import get_gradient_edge
 
 from msprobe_engine.frameworks.torch.module_hooks import in_backward
 
-__all__ = ["CallEdges", "GradCall", "after_call", "before_call", "in_backward"]
+__all__ = ["CallEdges", "GradCall", "after_call", "before_call", "in_backward", "sequence_nr"]
 
 _sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None)
+
+
+def sequence_nr() -> int | None:
+    """The sequence number the next autograd node of this thread gets (None: not in this torch)."""
+    return _sequence_nr() if _sequence_nr is not None else None
 #: most autograd nodes walked for one call (a guard against walking a foreign graph)
 MAX_NODES = 50_000
 

@@ -32,7 +32,8 @@ from msprobe_engine.collect.flatten import iter_tensors
 from msprobe_engine.frameworks.torch.capture.api import (ApiCatalog, ApiInfo, risk_allows, writes_unknown,
                                                          written_tensors)
 from msprobe_engine.frameworks.torch.capture.call_shape import as_called
-from msprobe_engine.frameworks.torch.capture.backward import GradCall, after_call, before_call, in_backward
+from msprobe_engine.frameworks.torch.capture.backward import (GradCall, after_call, before_call, in_backward,
+                                                              sequence_nr)
 from msprobe_engine.frameworks.torch.capture.checksum import checksum_text, fold, xor_words
 from msprobe_engine.dump.config import DumpConfig
 from msprobe_engine.dump.entry import UNHANDLED, TensorSlot, describe
@@ -364,8 +365,8 @@ class Recorder:
         are protected (`StatBuffer.protect`); the call's own inputs are recorded first."""
         info = self.catalog.get(func)
         operator = self.operators.take() if self.operators is not None else None
-        if operator is not None and info is not None and info.prefix == "Tensor":
-            info = self.catalog.operators[operator]
+        if operator is not None and (info is None or info.prefix == "Tensor"):
+            info = self.catalog.operators[operator]  # ``x == y`` arrives as an object of its own
         writes = info.writes(args, kwargs) if info is not None else writes_unknown(func, kwargs)
         if info is None or not self.sel.apis or not self._records(info) or not self.active or in_backward():
             # in-place ops bump the version (the cache sees it); collectives do not
@@ -385,12 +386,13 @@ class Recorder:
                                self._describe(called[1], f"{call.forward}.input"))
             if writes:
                 self.stats.protect(written_tensors(info, args, kwargs))
+        start = sequence_nr() if call is not None and call.want.backward else None
         output = func(*args, **kwargs)
         if call is not None:
             with self._hook("API", info.key):
                 self._call_done(call, output)
                 if call.want.backward and info.prefix != "Distributed":
-                    self._watch_api_backward(call, output)
+                    self._watch_api_backward(call, output, start)
         return output
 
     def _records(self, info: ApiInfo) -> bool:
@@ -441,11 +443,14 @@ class Recorder:
                 self._add_entry(call.backward, entry, _backward_name(call.parent), None)
             self._flush_after_backward()
 
-    def _watch_api_backward(self, call: _Call, output: Any) -> None:
+    def _watch_api_backward(self, call: _Call, output: Any, start: int | None) -> None:
         """An API's backward as the predecessor records it: the gradients in and out of the
-        autograd node that made its (first) output."""
+        autograd node that made its (first) output; none when the call made no node (it returned
+        its input: ``F.dropout(x, 0.0)``, ``x.contiguous()``; `start`: the sequence number before it)."""
         first = _first_tensor(output)
         if first is None or not first.requires_grad or first.grad_fn is None or not torch.is_grad_enabled():
+            return
+        if start is not None and first.grad_fn._sequence_nr() < start:
             return
         tag = (self._step_id, call)
         self._api_hooks.append(first.grad_fn.register_hook(partial(self._api_backward_done, tag)))
