@@ -247,7 +247,10 @@ def writes_unknown(func: Any, kwargs: dict) -> bool:
 def written_tensors(info: ApiInfo | None, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors a writing call writes into: its first argument (or the tensors in it),
     ``out`` and its `ARGUMENT_WRITES`; every tensor argument of a collective."""
-    targets = list(args) if info is not None and info.prefix == "Distributed" else list(args[:1])
+    if info is not None and info.prefix == "Distributed":
+        targets = list(args)
+    else:
+        targets = [] if info is not None and info.key in ARGUMENT_WRITES else list(args[:1])
     if "out" in kwargs:
         targets.append(kwargs["out"])
     for position, keyword in ARGUMENT_WRITES.get(info.key, ()) if info is not None else ():

@@ -32,8 +32,8 @@ from msprobe_engine.collect.flatten import iter_tensors
 from msprobe_engine.frameworks.torch.capture.api import (ApiCatalog, ApiInfo, risk_allows, writes_unknown,
                                                          written_tensors)
 from msprobe_engine.frameworks.torch.capture.call_shape import as_called
-from msprobe_engine.frameworks.torch.capture.backward import (GradCall, after_call, before_call, in_backward,
-                                                              sequence_nr)
+from msprobe_engine.frameworks.torch.capture.backward import (GradCall, Rewrites, after_call, before_call,
+                                                              in_backward, sequence_nr)
 from msprobe_engine.frameworks.torch.capture.checksum import checksum_text, fold, xor_words
 from msprobe_engine.dump.config import DumpConfig
 from msprobe_engine.dump.entry import UNHANDLED, TensorSlot, describe
@@ -175,6 +175,7 @@ class Recorder:
         self._modules: list[_Call] = []
         self._ran: dict[str, Want | None] = {}  # modules run this step -> the expanded module around
         self._grad_calls: list[GradCall] = []
+        self._rewrites = Rewrites()
         self._api_hooks: list = []  # node hooks of API backwards (removed at step end)
         self._grad_index: dict[str, list] = {}  # module -> [parameters_grad counter, its first parameter]
         self._items: TensorItems = []
@@ -370,9 +371,11 @@ class Recorder:
         writes = info.writes(args, kwargs) if info is not None else writes_unknown(func, kwargs)
         if info is None or not self.sel.apis or not self._records(info) or not self.active or in_backward():
             # in-place ops bump the version (the cache sees it); collectives do not
-            if writes and (self.stats.pending or (info is not None and info.prefix == "Distributed")):
+            if writes and (self.stats.pending or self._grad_calls or (info is not None and info.prefix == "Distributed")):
                 with self._hook("in-place check of", getattr(func, "__name__", "")):
-                    self.stats.protect(written_tensors(info, args, kwargs))
+                    written = written_tensors(info, args, kwargs)
+                    self.stats.protect(written)
+                    self._rewrites.written(written)
             return func(*args, **kwargs)
         call = None
         with self._hook("API", info.key):
@@ -385,7 +388,9 @@ class Recorder:
                 call.inputs = (self._describe(called[0], f"{call.forward}.input"),
                                self._describe(called[1], f"{call.forward}.input"))
             if writes:
-                self.stats.protect(written_tensors(info, args, kwargs))
+                written = written_tensors(info, args, kwargs)
+                self.stats.protect(written)
+                self._rewrites.written(written)
         start = sequence_nr() if call is not None and call.want.backward else None
         output = func(*args, **kwargs)
         if call is not None:
@@ -423,6 +428,7 @@ class Recorder:
         call.edges = None  # the input nodes are not needed any more
         if grad_call is not None:
             self._grad_calls.append(grad_call)
+            self._rewrites.watch(outputs, grad_call)
 
     def _backward_done(self, grad_call: GradCall) -> None:
         step_id, call = grad_call.tag
@@ -433,7 +439,7 @@ class Recorder:
             arrived = any(g is not None for g in grad_call.output_grads + grad_call.input_grads)
             in_scope = self.sel.begin(call.backward)
             self.sel.end(call.backward)
-            if arrived and call.want.backward and in_scope:
+            if arrived and call.want.backward and in_scope and not grad_call.rewritten:
                 entry: dict[str, Any] = {}
                 if self.sel.inputs:
                     entry["input"] = self._grad_slots(grad_call.output_grads, f"{call.backward}.input")
