@@ -46,7 +46,7 @@ Done = Callable[["GradCall"], None]
 
 class CallEdges:
     """What is noted before a call: the input edges and the autograd sequence number."""
-    __slots__ = ("start", "edges", "count", "versions")
+    __slots__ = ("start", "edges", "count", "versions", "integral")
 
     def __init__(self, inputs: Sequence[torch.Tensor]) -> None:
         self.start = _sequence_nr() if _sequence_nr is not None else None
@@ -54,6 +54,8 @@ class CallEdges:
         self.edges: dict[tuple, list[int]] = {}
         #: id -> version of each input, to tell an input returned after being written in place
         self.versions = {id(t): t._version for t in inputs}
+        #: positions of integer and bool inputs: no gradient, no place in the backward entry
+        self.integral = frozenset(i for i, t in enumerate(inputs) if not (t.is_floating_point() or t.is_complex()))
         for i, tensor in enumerate(inputs):
             if tensor.requires_grad:
                 edge = get_gradient_edge(tensor)
@@ -78,9 +80,17 @@ class GradCall:
         self.finished = False
         #: an output was written in place after the call returned (see `Rewrites`)
         self.rewritten = False
+        #: input positions that take no gradient (integer inputs), left out of `sent_grads`
+        self.integral: frozenset[int] = frozenset()
         self._done = done
         self._handles: list = []
         self._lock = threading.Lock()
+
+    def sent_grads(self) -> list[torch.Tensor | None]:
+        """The gradient sent to each input that can take one (integer inputs left out, as in
+        the predecessor's module backward entries: MixtralExperts' routing weights follow
+        the hidden states, not a null for the expert indices)."""
+        return [g for i, g in enumerate(self.input_grads) if i not in self.integral]
 
     def _arrived(self) -> None:
         self.expected -= 1
@@ -133,6 +143,7 @@ def after_call(edges: CallEdges, outputs: Sequence[torch.Tensor], tag: object, d
         return None
     call = GradCall(tag, len(outputs), edges.count, done)
     call.rewritten = any(edges.versions.get(id(t), t._version) != t._version for t in outputs)
+    call.integral = edges.integral
     for index, tensor in wanted:
         edge = get_gradient_edge(tensor)
         feeds = edges.edges.get((edge.node, edge.output_nr), [])

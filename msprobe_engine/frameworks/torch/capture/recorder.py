@@ -444,7 +444,8 @@ class Recorder:
                 if self.sel.inputs:
                     entry["input"] = self._grad_slots(grad_call.output_grads, f"{call.backward}.input")
                 if self.sel.outputs:  # no input needs a gradient: [] (as torch's module backward hooks give)
-                    grads = grad_call.input_grads if any(g is not None for g in grad_call.input_grads) else []
+                    sent = grad_call.sent_grads()
+                    grads = sent if any(g is not None for g in sent) else []
                     entry["output"] = self._grad_slots(grads, f"{call.backward}.output")
                 self._add_entry(call.backward, entry, _backward_name(call.parent), None)
             self._flush_after_backward()
