@@ -33,7 +33,7 @@ from msprobe_engine.config.errors import ConfigError
 from msprobe_engine.dump import exit_guard
 from msprobe_engine.dump.config import DumpConfig, DumpConfigSource, load_dump_config
 from msprobe_engine.dump.schema import parse_entry_name
-from msprobe_engine.dump.writer import StepFiles
+from msprobe_engine.dump.writer import StepFiles, StepIncomplete
 from msprobe_engine.sinks.writer import BackgroundWriter
 
 log = logging.getLogger("msprobe_engine")
@@ -226,9 +226,12 @@ class DumpSession:
         """Commit one step's directory (writer thread); a file not written whole drops the step."""
         try:
             files.commit(meta, data.entries, data.host_rows, data.construct, data.stacks, data.extra)
-        except Exception as exc:  # a full disk, a file-size limit: the step is dropped, never half there
+        except (OSError, StepIncomplete) as exc:  # a full disk, a file-size limit: dropped, never half there
             self._drop(files, "a file could not be written whole", step, f"{type(exc).__name__}: {exc}"[:300])
             return
+        except Exception:  # a bug: dropped too, and reported by the writer (raised in strict mode)
+            self._drop(files, "an error while writing it", step)
+            raise
         self.steps_written += 1
 
 
