@@ -60,7 +60,12 @@ def _on_signal(signum: int, frame: Any) -> None:
 
 
 def close_all() -> None:
-    """Close every open session (the atexit handler); then deliver a pending signal again."""
+    """Close every open session (the atexit handler); then deliver a pending signal again. A
+    second signal while the dump is written takes the default action at once."""
+    if threading.current_thread() is threading.main_thread():
+        for signum in SIGNALS:
+            if signal.getsignal(signum) is _on_signal:
+                signal.signal(signum, signal.SIG_DFL)
     for session in list(_sessions):
         try:
             session.close()
