@@ -179,7 +179,8 @@ def _input_edges(edges: CallEdges, roots: list, end: int) -> dict:
 
 class Rewrites:
     """The outputs of the calls being watched, to mark a call whose output a later in-place
-    call writes into (`GradCall.rewritten`). Tensors are held weakly; `clear` at step end."""
+    call writes into (`GradCall.rewritten`). Tensors are held weakly; the recorder makes a new
+    one every step."""
 
     def __init__(self) -> None:
         self._watched: dict[int, tuple[weakref.ref, list[GradCall]]] = {}
@@ -198,6 +199,3 @@ class Rewrites:
             if known is not None and known[0]() is tensor:
                 for call in known[1]:
                     call.rewritten = True
-
-    def clear(self) -> None:
-        self._watched.clear()
