@@ -1,19 +1,24 @@
-"""Dump overhead on the demo model, and tensor-dump throughput against plain torch.save.
+"""Dump overhead next to the predecessor's, one process per configuration, and tensor-dump
+throughput against plain torch.save.
 
-Step time: four copies of the demo model (examples/tiny_gpt.py) train side by side in one
-process, one step of each in turn in a rotating order (machine noise hits every config
-alike), at OMP_NUM_THREADS=1: no tool, and L0, L1 and mix statistics dumps of every step
-(start/stop/step around each step, dump.json written by the writer thread). Ratio = median
-step time over the no-tool median. Goals: L0 <= 1.3, L1 <= 2.0, mix <= 2.5.
+Step time, measured as a user runs it: the predecessor-style LM (bench/models.py `small_lm`,
+nn.MultiheadAttention blocks), AdamW, one thread, the whole step between start and stop with
+every step dumped (statistics, its own dump config with ``step: []``). Each configuration (no
+tool; ours L0, L1, mix; the predecessor's L0, L1, mix) trains in a process of its own
+(`bench/suite.py`'s worker), so no background writer's work lands in another configuration's
+steps; the processes of one round run one after the other, their order rotated every round.
+Ratio = median step time over the no-tool process's median in the same round; the figure is
+the median over rounds. Goals: ours L0 / L1 / mix <= 1.3 / 2.0 / 2.5 and (ours - 1) <= 1/3 of
+(predecessor - 1).
 
-Tensor throughput: the same model trains `--tensor-steps` steps with and without an L0
-tensor dump (the time to write every file included, `close()`), and the very same tensors
-(loaded back from the dump) are written with plain ``torch.save``. Ratio = torch.save time
-/ time the dump added to training (medians of three interleaved rounds); goal >= 0.7.
+Tensor throughput: the demo model (examples/tiny_gpt.py) trains `--tensor-steps` steps with
+and without an L0 tensor dump (every file written, `close()` included), and the very same
+tensors (loaded back from the dump) are written with plain ``torch.save``. Ratio = torch.save
+time / time the dump added to training (medians of three interleaved rounds); goal >= 0.95.
 
-The LAST printed line is one JSON object of ratios.
+The LAST printed line is one JSON object of ratios and the load average.
 
-    OMP_NUM_THREADS=1 python bench/dump.py [--steps 40] [--warmup 5] [--tensor-steps 8]
+    OMP_NUM_THREADS=1 python bench/dump.py [--rounds 3] [--steps 40] [--warmup 5] [--tensor-steps 8]
 """
 from __future__ import annotations
 
@@ -28,14 +33,17 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
 from examples.tiny_gpt import TinyGPT, synthetic_batches  # noqa: E402
 from msprobe_engine.dump import PrecisionDebugger, iter_dump_tensors, load_dump  # noqa: E402
+from suite import run_group  # noqa: E402
 
 LEVELS = ("L0", "L1", "mix")
+CONFIGS = ("none", *(f"ours_dump_{lv}" for lv in LEVELS), *(f"pred_dump_{lv}" for lv in LEVELS))
 
 
 def train_step(model: TinyGPT, opt: torch.optim.Optimizer, batch) -> None:
@@ -45,41 +53,23 @@ def train_step(model: TinyGPT, opt: torch.optim.Optimizer, batch) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def make_run(level: str | None, out: Path, steps: int):
-    torch.manual_seed(0)
-    model = TinyGPT()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    debugger = None
-    if level is not None:
-        debugger = PrecisionDebugger({"task": "statistics", "dump_path": str(out / level), "level": level})
-    return model, opt, debugger, synthetic_batches(model.cfg, steps)
-
-
-def step_times(steps: int, warmup: int, out: Path) -> dict[str, float]:
-    runs = {name: make_run(None if name == "no tool" else name, out, steps + warmup)
-            for name in ("no tool", *LEVELS)}
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    names = list(runs)
-    for i in range(steps + warmup):
-        order = names[i % len(names):] + names[:i % len(names)]
-        for name in order:
-            model, opt, debugger, batches = runs[name]
-            batch = next(batches)
-            start = time.perf_counter()
-            if debugger is None:
-                train_step(model, opt, batch)
-            else:
-                with debugger.step_scope(model):
-                    train_step(model, opt, batch)
-            if i >= warmup:
-                times[name].append(time.perf_counter() - start)
-    for _, _, debugger, _ in runs.values():
-        if debugger is not None:
-            debugger.close()
-    medians = {name: statistics.median(t) for name, t in times.items()}
-    for name, median in medians.items():
-        print(f"{name:8s} median step {median * 1e3:7.2f} ms")
-    return {name: medians[name] / medians["no tool"] for name in LEVELS}
+def step_times(rounds: int, steps: int, warmup: int) -> dict[str, float]:
+    """Median over rounds of each configuration's step-time ratio to the no-tool process."""
+    ratios: dict[str, list[float]] = {c: [] for c in CONFIGS[1:]}
+    for r in range(rounds):
+        order = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]
+        medians = {c: run_group("small_lm", [c], steps, warmup)[c] for c in order}
+        for c in CONFIGS[1:]:
+            ratios[c].append(medians[c] / medians["none"])
+        print(f"round {r}: no tool {medians['none'] * 1e3:.1f} ms/step; "
+              + ", ".join(f"{c} {ratios[c][-1]:.2f}" for c in CONFIGS[1:]), flush=True)
+    result = {c: statistics.median(v) for c, v in ratios.items()}
+    for lv in LEVELS:
+        ours, pred = result[f"ours_dump_{lv}"], result[f"pred_dump_{lv}"]
+        result[f"share_of_predecessor_{lv}"] = (ours - 1) / (pred - 1) if pred > 1 else float("nan")
+        print(f"dump {lv:4s} ours {ours:5.2f}  predecessor {pred:5.2f}  (ours-1)/(pred-1) "
+              f"{result[f'share_of_predecessor_{lv}']:.2f}")
+    return result
 
 
 def timed_training(steps: int, debugger: PrecisionDebugger | None) -> float:
@@ -127,6 +117,7 @@ def tensor_throughput(steps: int, out: Path, rounds: int = 3) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--tensor-steps", type=int, default=8)
@@ -134,11 +125,13 @@ def main() -> None:
     torch.set_num_threads(1)
     out = Path(tempfile.mkdtemp(prefix="msprobe-dump-bench-"))
     try:
-        ratios = step_times(args.steps, args.warmup, out)
+        ratios = step_times(args.rounds, args.steps, args.warmup)
         ratios["tensor_throughput_vs_torch_save"] = tensor_throughput(args.tensor_steps, out)
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    print(json.dumps({k: round(v, 3) for k, v in ratios.items()}))
+    report: dict = {k: round(v, 3) for k, v in ratios.items()}
+    report["load"] = [round(x, 2) for x in os.getloadavg()]
+    print(json.dumps(report))
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ __all__ += ["DumpConfig", "PrecisionDebugger", "load_dump_config"]
 
 
 def __getattr__(name: str):
-    """`PrecisionDebugger`: PyTorch's dump session, loaded on first use (torch is imported then)."""
+    """`PrecisionDebugger`: the dump session of either framework (`dump.facade`), loaded on first
+    use (no framework is imported before a session is made)."""
     if name == "PrecisionDebugger":
-        from msprobe_engine.registry import load_framework
-        return load_framework("torch").dump_session()
+        from msprobe_engine.dump.facade import PrecisionDebugger
+        return PrecisionDebugger
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

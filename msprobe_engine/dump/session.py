@@ -14,21 +14,26 @@ or ``with PrecisionDebugger(cfg) as debugger:`` and ``with debugger.step_scope(m
 per step. Steps and ranks outside the config's lists cost a flag check. Statistics stay on
 the device until `step()`, which makes one host transfer; files are written by the engine's
 background writer thread (`sinks.BackgroundWriter`) and committed atomically per step.
+Without ``close()`` the session is closed when the process ends (normally, by an exception,
+or by SIGTERM/SIGINT: `dump.exit_guard`), so every step that `step()` closed is on disk.
+A step whose files could not all be written whole is dropped: counted in `dropped_steps`
+(why: `drop_reasons`), reported once, its ``.partial`` directory removed.
 A framework's session (its `PrecisionDebugger`) adds the hooks and the capture.
 """
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
+import threading
 from functools import partial
 from pathlib import Path
 from typing import Any, Iterator
 
+from msprobe_engine.dump import exit_guard
 from msprobe_engine.errors import ConfigError
 from msprobe_engine.dump.config import DumpConfig, DumpConfigSource, load_dump_config
 from msprobe_engine.dump.schema import parse_entry_name
-from msprobe_engine.dump.writer import StepFiles, write_file
+from msprobe_engine.dump.writer import StepFiles, StepIncomplete
 from msprobe_engine.sinks.writer import BackgroundWriter
 
 log = logging.getLogger("msprobe_engine")
@@ -52,6 +57,9 @@ class DumpSession:
         self.current_step = 0
         self.steps_written = 0
         self.dropped_steps = 0
+        #: why steps were dropped: reason -> count
+        self.drop_reasons: dict[str, int] = {}
+        self._drop_lock = threading.Lock()
         self.rank: int | None = None
         self._model = model
         self.writer = BackgroundWriter(self.config.queue_size, self.config.when_full, strict=self.config.strict)
@@ -64,6 +72,8 @@ class DumpSession:
         self._files: StepFiles | None = None
         self._incomplete = False
         self._discarded: list[StepFiles] = []
+        self._closed = False
+        exit_guard.guard(self)
 
     # ---- the predecessor's calls ---------------------------------------------------------
     def start(self, model: Any = None) -> None:
@@ -92,7 +102,10 @@ class DumpSession:
         self._activate()
 
     def close(self) -> None:
-        """Write a step still open, wait for the writer and remove every hook."""
+        """Write a step still open, wait for the writer and remove every hook. A second call
+        does nothing; the process's end calls it for a session not closed (`dump.exit_guard`)."""
+        if self._closed:
+            return
         self.stop()
         if self._collected:
             self._commit()
@@ -102,9 +115,12 @@ class DumpSession:
         self.writer.close()
         for files in self._discarded:  # tensor files of dropped steps (hidden .partial directories)
             files.discard()
-        if self.dropped_steps or self.writer.dropped:
-            log.warning("msprobe dump: %d step(s) dropped (writer queue full, policy '%s')",
-                        self.dropped_steps, self.config.when_full)
+        self._discarded.clear()
+        self._closed = True
+        if self.dropped_steps:
+            reasons = "; ".join(f"{count}: {reason}" for reason, count in self.drop_reasons.items())
+            log.warning("msprobe dump: %d of %d step(s) dropped (%s)", self.dropped_steps,
+                        self.dropped_steps + self.steps_written, reasons)
 
     def flush(self) -> None:
         """Wait until everything handed to the writer is on disk."""
@@ -187,20 +203,35 @@ class DumpSession:
             else:
                 meta = {"task": self.config.task, "level": self.config.level, "framework": self.framework,
                         "dump_data_dir": None}
-                if not self.writer.submit(partial(self._write_step, files, meta, data), "dump step"):
+                if not self.writer.submit(partial(self._write_step, files, meta, data, self.current_step), "dump step"):
                     self._drop(files, "the writer queue was full")
         self._files, self._incomplete, self._collected = None, False, False
 
-    def _drop(self, files: StepFiles, reason: str) -> None:
-        self._discarded.append(files)
-        self.dropped_steps += 1
-        if self.dropped_steps == 1:
-            log.warning("msprobe dump: step %d dropped: %s (further drops are counted)", self.current_step, reason)
+    def _drop(self, files: StepFiles, reason: str, step: int | None = None, detail: str = "") -> None:
+        """Count a dropped step (training or writer thread); its files go at `close()`, or now
+        when `step` is given (on the writer thread, after the step's last write)."""
+        with self._drop_lock:
+            self.dropped_steps += 1
+            self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
+            first = self.dropped_steps == 1
+        if step is None:
+            self._discarded.append(files)
+        else:
+            files.discard()
+        if first:
+            log.warning("msprobe dump: step %d dropped: %s%s (further drops are counted)",
+                        self.current_step if step is None else step, reason, f" ({detail})" if detail else "")
 
-    def _write_step(self, files: StepFiles, meta: dict, data: Any) -> None:
-        final = files.commit(meta, data.entries, data.host_rows, data.construct, data.stacks)
-        for name, content in (data.extra or {}).items():
-            write_file(final / name, json.dumps(content, indent=1))
+    def _write_step(self, files: StepFiles, meta: dict, data: Any, step: int) -> None:
+        """Commit one step's directory (writer thread); a file not written whole drops the step."""
+        try:
+            files.commit(meta, data.entries, data.host_rows, data.construct, data.stacks, data.extra)
+        except (OSError, StepIncomplete) as exc:  # a full disk, a file-size limit: dropped, never half there
+            self._drop(files, "a file could not be written whole", step, f"{type(exc).__name__}: {exc}"[:300])
+            return
+        except Exception:  # a bug: dropped too, and reported by the writer (raised in strict mode)
+            self._drop(files, "an error while writing it", step)
+            raise
         self.steps_written += 1
 
 

@@ -3,11 +3,15 @@
 Everything of ``step{N}/rank{R}/`` (tensor files, dump.json, stack.json, construct.json) is
 first written into the hidden directory ``step{N}/.rank{R}.partial/`` and then renamed into
 place: a crash at any moment leaves either a complete rank directory or none (the reader
-ignores ``.partial`` directories). A single-process run writes ``proc<pid>/`` as the predecessor
+ignores ``.partial`` directories). The rename happens only when every file the step's
+dump.json lists was written whole (its size on disk is what was written); a write that failed
+(full disk, file-size limit) makes `commit` raise `StepIncomplete`, and the session drops the
+step and removes its ``.partial`` directory. A single-process run writes ``proc<pid>/`` as the predecessor
 (mindstudio-probe 26.2) does, or ``rank/`` with its 1.x spelling (``predecessor_format: "1.x"``).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import linecache
@@ -23,9 +27,9 @@ import numpy as np
 
 from msprobe_engine.dump.entry import TensorSlot, render_entries
 from msprobe_engine.dump.reader import CONSTRUCT_JSON, DUMP_JSON, STACK_JSON, TENSOR_DIR
+from msprobe_engine.dump.schema import iter_dump_tensors
+from msprobe_engine.dump.task import DUMP_TASKS
 
-#: tasks whose dump.json names a dump_data_dir (they save tensor files)
-TENSOR_TASKS = ("tensor", "overflow_check", "diff_check")
 #: a raw call stack: (file, line, function) per frame, innermost last
 Frames = Sequence[tuple[str, int, str]]
 
@@ -80,11 +84,33 @@ def array_crc32(array: np.ndarray) -> str:
     return f"{zlib.crc32(np.ascontiguousarray(array)):08x}"
 
 
+class StepIncomplete(Exception):
+    """A file of the step could not be written whole; the message says which and why."""
+
+
 def write_file(path: Path, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
+    """Write `text` and sync it; raise `StepIncomplete` when the file on disk is shorter."""
+    data = text.encode("utf-8")
+    with open(path, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    _check_size(path, len(data))
+
+
+def save_whole(save: Callable[[Any, Any], None], value: Any, path: Path) -> int:
+    """`save(value, file)` into a new file at `path`; its size, checked on disk."""
+    with open(path, "wb") as f:
+        save(value, f)
+        size = f.tell()
+    _check_size(path, size)
+    return size
+
+
+def _check_size(path: Path, size: int) -> None:
+    on_disk = os.stat(path).st_size
+    if on_disk != size:
+        raise StepIncomplete(f"{path.name}: {on_disk} of {size} bytes on disk")
 
 
 log = logging.getLogger("msprobe_engine")
@@ -139,6 +165,10 @@ class StepFiles:
         self.legacy = legacy
         self.partial = step_dir / f".{name}.partial"
         self._ready = False
+        #: why a tensor file could not be written (the step is then dropped at `commit`)
+        self.failure: str | None = None
+        #: tensor files written so far: data_name -> bytes
+        self.sizes: dict[str, int] = {}
 
     @property
     def tensor_dir(self) -> Path:
@@ -151,34 +181,67 @@ class StepFiles:
             self.partial.mkdir(parents=True)
             self._ready = True
 
-    def write_tensors(self, items: Sequence[tuple[TensorSlot, Any]], save: Callable[[Any, Path], None] | None,
+    def write_tensors(self, items: Sequence[tuple[TensorSlot, Any]], save: Callable[[Any, Any], None] | None,
                       checksum: Callable[[Any], str] | None) -> None:
-        """Save tensor copies under their data_name and/or set their slots' CRC-32."""
-        self._prepare()
-        if save is not None:
-            self.tensor_dir.mkdir(exist_ok=True)
-        for slot, tensor in items:
-            if save is not None and slot.data_name is not None:
-                save(tensor, self.tensor_dir / slot.data_name)
-            if checksum is not None:
-                slot.md5 = checksum(tensor)
+        """Save tensor copies under their data_name (`save(tensor, file)`) and/or set their slots'
+        CRC-32. After a failed write the step's other tensors are not saved (it is dropped)."""
+        if self.failure is not None:
+            return
+        try:
+            self._prepare()
+            if save is not None:
+                self.tensor_dir.mkdir(exist_ok=True)
+            for slot, tensor in items:
+                if save is not None and slot.data_name is not None:
+                    self.sizes[slot.data_name] = save_whole(save, tensor, self.tensor_dir / slot.data_name)
+                if checksum is not None:
+                    slot.md5 = checksum(tensor)
+        except Exception as exc:
+            self.failure = f"{type(exc).__name__}: {exc}"[:300]
 
     def commit(self, meta: dict[str, Any], entries: dict[str, Any], host_rows: np.ndarray,
-               construct: dict[str, str | None] | None, stacks: dict[str, Frames] | None) -> Path:
-        """Write the JSON files and move the directory into place; returns the rank directory."""
+               construct: dict[str, str | None] | None, stacks: dict[str, Frames] | None,
+               extra: dict[str, Any] | None = None) -> Path:
+        """Write the JSON files (and `extra`: file name -> content) and move the directory into
+        place; returns the rank directory. Raises `StepIncomplete` (or the write's OSError) when a
+        file it lists is missing or short."""
+        if self.failure is not None:
+            raise StepIncomplete(self.failure)
         self._prepare()
-        if meta.get("task") in TENSOR_TASKS:
+        data = render_entries(entries, host_rows, meta.get("framework", "pytorch"))
+        if _saves_tensors(meta.get("task")):
             meta = {**meta, "dump_data_dir": str((self.final / TENSOR_DIR).resolve())}
-        write_file(self.partial / DUMP_JSON, dump_json_text(meta, render_entries(entries, host_rows, meta.get("framework", "pytorch"))))
+            self._check_listed(data)
+        write_file(self.partial / DUMP_JSON, dump_json_text(meta, data))
         if stacks is not None:
             write_file(self.partial / STACK_JSON, json.dumps(stack_document(stacks, self.legacy), indent=1))
         if construct is not None:
             write_file(self.partial / CONSTRUCT_JSON, json.dumps(construct, indent=1))
+        for name, content in (extra or {}).items():
+            write_file(self.partial / name, json.dumps(content, indent=1))
         if self.final.exists():
             shutil.rmtree(self.final)  # the same step of an earlier run into the same dump_path
         os.replace(self.partial, self.final)
         return self.final
 
+    def _check_listed(self, data: dict[str, Any]) -> None:
+        """Every data_name of the step's entries is a file written whole."""
+        for ref in iter_dump_tensors({"data": data}):
+            name = ref.record.get("data_name")
+            if name is None:
+                continue
+            if name not in self.sizes:
+                raise StepIncomplete(f"{ref.entry} {ref.label}: {name} was not written")
+            _check_size(self.tensor_dir / name, self.sizes[name])
+
     def discard(self) -> None:
-        """Remove the files of a dropped step (after the writer has stopped)."""
+        """Remove the files of a dropped step (on the writer thread, or after it stopped), and
+        its ``step{N}`` directory when nothing else is in it."""
         shutil.rmtree(self.partial, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            self.partial.parent.rmdir()
+
+
+def _saves_tensors(task: Any) -> bool:
+    """Whether the registered dump task `task` writes tensor files (its `saves_tensors`)."""
+    return isinstance(task, str) and task in DUMP_TASKS and DUMP_TASKS.get(task).saves_tensors

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -223,8 +222,8 @@ def _graph_mode() -> bool:
     return ms.get_context("mode") == ms.GRAPH_MODE
 
 
-def _save_npy(array: np.ndarray, path: Path) -> None:
-    np.save(path, array, allow_pickle=False)
+def _save_npy(array: np.ndarray, file: Any) -> None:
+    np.save(file, array, allow_pickle=False)
 
 
 def _rank_and_world() -> tuple[int | None, int]:

@@ -37,10 +37,19 @@ OPERATORS = (
     "__imod__", "__pow__", "__rpow__", "__ipow__", "__matmul__", "__and__", "__iand__", "__or__", "__ror__",
     "__ior__", "__xor__", "__rxor__", "__ixor__", "__lshift__", "__ilshift__", "__rshift__", "__irshift__",
     "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__")
+#: operators told apart but not recorded, as the predecessor does not record them: ``-x``
+#: (``Tensor.neg`` is ``__neg__``; ``x.neg()`` is recorded) and ``x /= y`` (it arrives as ``div_``)
+UNRECORDED_OPERATORS = ("__neg__", "__itruediv__")
 #: Tensor dunders that are dumped: the operators and item assignment (the others: repr, hash,
 #: len, pickling, indexing and conversions are not, as in the predecessor)
 TENSOR_DUNDERS = frozenset(OPERATORS) | {"__setitem__"}
-INPLACE_DUNDERS = frozenset(d for d in OPERATORS if d.startswith("__i")) | {"__setitem__"}
+INPLACE_DUNDERS = frozenset(d for d in (*OPERATORS, *UNRECORDED_OPERATORS) if d.startswith("__i")) | {"__setitem__"}
+#: arguments an API writes into besides its first (BatchNorm's running statistics, updated in
+#: training): (position, keyword) by API key; they are measured before the call
+ARGUMENT_WRITES: dict[str, tuple[tuple[int, str], ...]] = {
+    "Functional.batch_norm": ((1, "running_mean"), (2, "running_var")),
+    "Functional.instance_norm": ((1, "running_mean"), (2, "running_var")),
+}
 #: the predecessor's low-risk APIs (shape and view changes, casts, tensor creation): skipped at
 #: ``risk_level`` FOCUS (its default), recorded at ALL
 LOW_RISK = frozenset((
@@ -53,7 +62,8 @@ LOW_RISK = frozenset((
     "bfloat16", "byte", "char", "bool", "cfloat", "empty", "empty_like", "zeros", "zeros_like", "ones",
     "ones_like", "full", "full_like", "arange", "linspace", "logspace", "eye", "diag", "diagflat",
     "diag_embed", "triu", "tril", "triu_indices", "tril_indices", "clone", "tensor", "as_tensor", "asarray",
-    "from_numpy"))
+    "from_numpy", "contiguous", "detach", "new_zeros", "new_ones", "new_full", "new_empty", "new_empty_strided",
+    "new_tensor"))
 #: the predecessor's core APIs: the only ones recorded at ``risk_level`` CORE
 CORE_RISK = frozenset((
     "matmul", "__matmul__", "bmm", "addmm", "addmm_", "addbmm", "addbmm_", "baddbmm", "baddbmm_", "mm", "mv",
@@ -113,7 +123,7 @@ class ApiInfo:
 
     def writes(self, args: tuple, kwargs: dict) -> bool:
         """True when this call writes into one of its arguments."""
-        if self.inplace or "out" in kwargs:
+        if self.inplace or "out" in kwargs or self.key in ARGUMENT_WRITES:
             return True
         if self.inplace_arg is None:
             return False
@@ -176,8 +186,8 @@ class ApiCatalog:
         self._infos: dict[int, tuple[Any, ApiInfo]] = {}
         self._keys: frozenset[str] | None = None
         #: the operator forms of Tensor methods (``Tensor.__add__``), see `operators`
-        self.operators = {name: ApiInfo("Tensor", name, dump=True, inplace=name in INPLACE_DUNDERS)
-                          for name in OPERATORS}
+        self.operators = {name: ApiInfo("Tensor", name, dump=name in OPERATORS, inplace=name in INPLACE_DUNDERS)
+                          for name in (*OPERATORS, *UNRECORDED_OPERATORS)}
         # first prefix wins: F.conv2d is torch.conv2d, and is named Functional.conv2d
         self._scan("Functional", vars(torch.nn.functional).items())
         self._scan("Tensor", ((n, getattr(torch.Tensor, n, None)) for n in dir(torch.Tensor)))
@@ -219,7 +229,7 @@ class ApiCatalog:
 
     def dumped(self) -> list[ApiInfo]:
         """Every API the dump records, one per name."""
-        infos = [i for _, i in self._infos.values() if i.dump] + list(self.operators.values())
+        infos = [i for _, i in self._infos.values() if i.dump] + [i for i in self.operators.values() if i.dump]
         return sorted({i.key: i for i in infos}.values(), key=lambda i: i.key)
 
     def has_key(self, key: str) -> bool:
@@ -235,11 +245,16 @@ def writes_unknown(func: Any, kwargs: dict) -> bool:
 
 
 def written_tensors(info: ApiInfo | None, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors a writing call writes into: its first argument (or the tensors in it) and
-    ``out``; every tensor argument of a collective."""
-    targets = list(args) if info is not None and info.prefix == "Distributed" else list(args[:1])
+    """The tensors a writing call writes into: its first argument (or the tensors in it),
+    ``out`` and its `ARGUMENT_WRITES`; every tensor argument of a collective."""
+    if info is not None and info.prefix == "Distributed":
+        targets = list(args)
+    else:
+        targets = [] if info is not None and info.key in ARGUMENT_WRITES else list(args[:1])
     if "out" in kwargs:
         targets.append(kwargs["out"])
+    for position, keyword in ARGUMENT_WRITES.get(info.key, ()) if info is not None else ():
+        targets.append(args[position] if len(args) > position else kwargs.get(keyword))
     found: list[torch.Tensor] = []
     for target in targets:
         if isinstance(target, torch.Tensor):

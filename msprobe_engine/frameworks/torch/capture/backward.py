@@ -13,20 +13,31 @@ BackwardHookFunction is a view and is being modified inplace"). Here nothing is 
   The gradients on those edges, summed per input, are what flows into it through this call.
 
 Hooks return None: gradients and training numbers are untouched.
+
+A module whose output is written in place, later (``h = block(x); h += residual``, marked by
+`Rewrites`) or within the call (``nn.ReLU(inplace=True)`` returns its input, written), gets no
+backward entry, as under torch's full backward hook, which the predecessor uses (its hook on
+that output does not fire).
 """
 from __future__ import annotations
 
 import threading
-from typing import Callable, Sequence
+import weakref
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch.autograd.graph import get_gradient_edge
 
 from msprobe_engine.frameworks.torch.module_hooks import in_backward
 
-__all__ = ["CallEdges", "GradCall", "after_call", "before_call", "in_backward"]
+__all__ = ["CallEdges", "GradCall", "Rewrites", "after_call", "before_call", "in_backward", "sequence_nr"]
 
 _sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None)
+
+
+def sequence_nr() -> int | None:
+    """The sequence number the next autograd node of this thread gets (None: not in this torch)."""
+    return _sequence_nr() if _sequence_nr is not None else None
 #: most autograd nodes walked for one call (a guard against walking a foreign graph)
 MAX_NODES = 50_000
 
@@ -35,12 +46,16 @@ Done = Callable[["GradCall"], None]
 
 class CallEdges:
     """What is noted before a call: the input edges and the autograd sequence number."""
-    __slots__ = ("start", "edges", "count")
+    __slots__ = ("start", "edges", "count", "versions", "integral")
 
     def __init__(self, inputs: Sequence[torch.Tensor]) -> None:
         self.start = _sequence_nr() if _sequence_nr is not None else None
         self.count = len(inputs)
         self.edges: dict[tuple, list[int]] = {}
+        #: id -> version of each input, to tell an input returned after being written in place
+        self.versions = {id(t): t._version for t in inputs}
+        #: positions of integer and bool inputs: no gradient, no place in the backward entry
+        self.integral = frozenset(i for i, t in enumerate(inputs) if not (t.is_floating_point() or t.is_complex()))
         for i, tensor in enumerate(inputs):
             if tensor.requires_grad:
                 edge = get_gradient_edge(tensor)
@@ -63,9 +78,19 @@ class GradCall:
         self.input_grads: list[torch.Tensor | None] = [None] * n_inputs
         self.expected = 0
         self.finished = False
+        #: an output was written in place after the call returned (see `Rewrites`)
+        self.rewritten = False
+        #: input positions that take no gradient (integer inputs), left out of `sent_grads`
+        self.integral: frozenset[int] = frozenset()
         self._done = done
         self._handles: list = []
         self._lock = threading.Lock()
+
+    def sent_grads(self) -> list[torch.Tensor | None]:
+        """The gradient sent to each input that can take one (integer inputs left out, as in
+        the predecessor's module backward entries: MixtralExperts' routing weights follow
+        the hidden states, not a null for the expert indices)."""
+        return [g for i, g in enumerate(self.input_grads) if i not in self.integral]
 
     def _arrived(self) -> None:
         self.expected -= 1
@@ -117,6 +142,8 @@ def after_call(edges: CallEdges, outputs: Sequence[torch.Tensor], tag: object, d
     if not wanted:
         return None
     call = GradCall(tag, len(outputs), edges.count, done)
+    call.rewritten = any(edges.versions.get(id(t), t._version) != t._version for t in outputs)
+    call.integral = edges.integral
     for index, tensor in wanted:
         edge = get_gradient_edge(tensor)
         feeds = edges.edges.get((edge.node, edge.output_nr), [])
@@ -148,3 +175,27 @@ def _input_edges(edges: CallEdges, roots: list, end: int) -> dict:
                 seen.add(id(child))
                 stack.append(child)
     return found
+
+
+class Rewrites:
+    """The outputs of the calls being watched, to mark a call whose output a later in-place
+    call writes into (`GradCall.rewritten`). Tensors are held weakly; the recorder makes a new
+    one every step."""
+
+    def __init__(self) -> None:
+        self._watched: dict[int, tuple[weakref.ref, list[GradCall]]] = {}
+
+    def watch(self, outputs: Iterable[torch.Tensor], call: GradCall) -> None:
+        for tensor in outputs:
+            known = self._watched.get(id(tensor))
+            if known is None or known[0]() is not tensor:
+                known = self._watched[id(tensor)] = (weakref.ref(tensor), [])
+            known[1].append(call)
+
+    def written(self, tensors: Iterable[torch.Tensor]) -> None:
+        """`tensors` are about to be written in place."""
+        for tensor in tensors:
+            known = self._watched.get(id(tensor))
+            if known is not None and known[0]() is tensor:
+                for call in known[1]:
+                    call.rewritten = True

@@ -44,12 +44,18 @@ def _decode(code: CodeType, offset: int) -> Shape | None:
     return argc - len(names), tuple(names)
 
 
-def call_shape(func_code: CodeType, start: FrameType | None) -> Shape | None:
-    """How the running call of the function with code `func_code` was written by its caller."""
+def _running(func_code: CodeType, start: FrameType | None) -> FrameType | None:
+    """The frame of the running call of the function with code `func_code`, going up from `start`."""
     frame, hops = start, 0
     while frame is not None and frame.f_code is not func_code and hops < MAX_FRAMES:
         frame, hops = frame.f_back, hops + 1
-    caller = frame.f_back if frame is not None and frame.f_code is func_code else None
+    return frame if frame is not None and frame.f_code is func_code else None
+
+
+def call_shape(func_code: CodeType, start: FrameType | None) -> Shape | None:
+    """How the running call of the function with code `func_code` was written by its caller."""
+    frame = _running(func_code, start)
+    caller = frame.f_back if frame is not None else None
     if caller is None:
         return None
     key = (caller.f_code, caller.f_lasti)
@@ -61,7 +67,15 @@ def call_shape(func_code: CodeType, start: FrameType | None) -> Shape | None:
 def as_called(func_code: CodeType, args: tuple, kwargs: dict) -> tuple[list, dict] | None:
     """``(args, kwargs)`` of a Python function's running call (called from within it, through
     its torch-function handling) as its caller wrote them, or None when that cannot be told
-    (arguments passed with ``*``/``**``, a function taking them)."""
+    (arguments passed with ``*``/``**``, a function taking some of them so). A function taking
+    only ``(*args, **kwargs)`` (``F.max_pool2d``'s boolean dispatch) has them as passed."""
+    if func_code.co_flags & _VARARGS == _VARARGS and func_code.co_argcount + func_code.co_kwonlyargcount == 0:
+        frame = _running(func_code, sys._getframe(1))
+        if frame is None:
+            return None
+        passed = frame.f_locals
+        names = func_code.co_varnames
+        return list(passed[names[0]]), dict(passed[names[1]])
     if func_code.co_flags & _VARARGS:
         return None
     shape = call_shape(func_code, sys._getframe(1))

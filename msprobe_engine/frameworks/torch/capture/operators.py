@@ -3,7 +3,8 @@
 ``x + y``, ``x.add(y)`` and ``2 + x`` all reach a TorchFunctionMode as ``Tensor.add``; the
 predecessor records the operator forms under their dunder names (``__add__``, ``__radd__``,
 ``__iadd__``), and its counters count them apart. While a dumped step runs, each operator of
-`api.OPERATORS` on ``torch.Tensor`` is shadowed by a thin function that notes its name in a
+`api.OPERATORS` on ``torch.Tensor`` (and of `api.UNRECORDED_OPERATORS`, told apart to be left
+out: ``-x``, ``x /= y``) is shadowed by a thin function that notes its name in a
 thread-local and calls the original; the API mode takes the note for the call it sees next.
 Outside dumped steps ``torch.Tensor`` is left exactly as it was.
 """
@@ -14,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from msprobe_engine.frameworks.torch.capture.api import OPERATORS
+from msprobe_engine.frameworks.torch.capture.api import OPERATORS, UNRECORDED_OPERATORS
 
 _ABSENT = object()
 
@@ -33,7 +34,8 @@ class OperatorNames:
     def __init__(self) -> None:
         self._local = threading.local()
         self._saved: dict[str, Any] = {}
-        self._wrappers = {name: self._wrap(name, _original(name)) for name in OPERATORS if hasattr(torch.Tensor, name)}
+        self._wrappers = {name: self._wrap(name, _original(name)) for name in (*OPERATORS, *UNRECORDED_OPERATORS)
+                          if hasattr(torch.Tensor, name)}
 
     def _wrap(self, name: str, original: Callable) -> Callable:
         local = self._local

@@ -32,7 +32,8 @@ from msprobe_engine.collect.flatten import iter_tensors
 from msprobe_engine.frameworks.torch.capture.api import (ApiCatalog, ApiInfo, risk_allows, writes_unknown,
                                                          written_tensors)
 from msprobe_engine.frameworks.torch.capture.call_shape import as_called
-from msprobe_engine.frameworks.torch.capture.backward import GradCall, after_call, before_call, in_backward
+from msprobe_engine.frameworks.torch.capture.backward import (GradCall, Rewrites, after_call, before_call,
+                                                              in_backward, sequence_nr)
 from msprobe_engine.frameworks.torch.capture.checksum import checksum_text, fold, xor_words
 from msprobe_engine.dump.entry import UNHANDLED, TensorSlot, describe
 from msprobe_engine.dump.recorder import DumpRecorder, RecorderContext
@@ -173,6 +174,7 @@ class Recorder(DumpRecorder):
         self._modules: list[_Call] = []
         self._ran: dict[str, Want | None] = {}  # modules run this step -> the expanded module around
         self._grad_calls: list[GradCall] = []
+        self._rewrites = Rewrites()
         self._api_hooks: list = []  # node hooks of API backwards (removed at step end)
         self._grad_index: dict[str, list] = {}  # module -> [parameters_grad counter, its first parameter]
         self._items: TensorItems = []
@@ -356,14 +358,16 @@ class Recorder(DumpRecorder):
         are protected (`StatBuffer.protect`); the call's own inputs are recorded first."""
         info = self.catalog.get(func)
         operator = self.operators.take() if self.operators is not None else None
-        if operator is not None and info is not None and info.prefix == "Tensor":
-            info = self.catalog.operators[operator]
+        if operator is not None and (info is None or info.prefix == "Tensor"):
+            info = self.catalog.operators[operator]  # ``x == y`` arrives as an object of its own
         writes = info.writes(args, kwargs) if info is not None else writes_unknown(func, kwargs)
         if info is None or not self.sel.apis or not self._records(info) or not self.active or in_backward():
             # in-place ops bump the version (the cache sees it); collectives do not
-            if writes and (self.stats.pending or (info is not None and info.prefix == "Distributed")):
+            if writes and (self.stats.pending or self._grad_calls or (info is not None and info.prefix == "Distributed")):
                 with self._hook("in-place check of", getattr(func, "__name__", "")):
-                    self.stats.protect(written_tensors(info, args, kwargs))
+                    written = written_tensors(info, args, kwargs)
+                    self.stats.protect(written)
+                    self._rewrites.written(written)
             return func(*args, **kwargs)
         call = None
         with self._hook("API", info.key):
@@ -376,13 +380,16 @@ class Recorder(DumpRecorder):
                 call.inputs = (self._describe(called[0], f"{call.forward}.input"),
                                self._describe(called[1], f"{call.forward}.input"))
             if writes:
-                self.stats.protect(written_tensors(info, args, kwargs))
+                written = written_tensors(info, args, kwargs)
+                self.stats.protect(written)
+                self._rewrites.written(written)
+        start = sequence_nr() if call is not None and call.want.backward else None
         output = func(*args, **kwargs)
         if call is not None:
             with self._hook("API", info.key):
                 self._call_done(call, output)
                 if call.want.backward and info.prefix != "Distributed":
-                    self._watch_api_backward(call, output)
+                    self._watch_api_backward(call, output, start)
         return output
 
     def _records(self, info: ApiInfo) -> bool:
@@ -413,6 +420,7 @@ class Recorder(DumpRecorder):
         call.edges = None  # the input nodes are not needed any more
         if grad_call is not None:
             self._grad_calls.append(grad_call)
+            self._rewrites.watch(outputs, grad_call)
 
     def _backward_done(self, grad_call: GradCall) -> None:
         step_id, call = grad_call.tag
@@ -423,21 +431,25 @@ class Recorder(DumpRecorder):
             arrived = any(g is not None for g in grad_call.output_grads + grad_call.input_grads)
             in_scope = self.sel.begin(call.backward)
             self.sel.end(call.backward)
-            if arrived and call.want.backward and in_scope:
+            if arrived and call.want.backward and in_scope and not grad_call.rewritten:
                 entry: dict[str, Any] = {}
                 if self.sel.inputs:
                     entry["input"] = self._grad_slots(grad_call.output_grads, f"{call.backward}.input")
                 if self.sel.outputs:  # no input needs a gradient: [] (as torch's module backward hooks give)
-                    grads = grad_call.input_grads if any(g is not None for g in grad_call.input_grads) else []
+                    sent = grad_call.sent_grads()
+                    grads = sent if any(g is not None for g in sent) else []
                     entry["output"] = self._grad_slots(grads, f"{call.backward}.output")
                 self._add_entry(call.backward, entry, _backward_name(call.parent), None)
             self._flush_after_backward()
 
-    def _watch_api_backward(self, call: _Call, output: Any) -> None:
+    def _watch_api_backward(self, call: _Call, output: Any, start: int | None) -> None:
         """An API's backward as the predecessor records it: the gradients in and out of the
-        autograd node that made its (first) output."""
+        autograd node that made its (first) output; none when the call made no node (it returned
+        its input: ``F.dropout(x, 0.0)``, ``x.contiguous()``; `start`: the sequence number before it)."""
         first = _first_tensor(output)
         if first is None or not first.requires_grad or first.grad_fn is None or not torch.is_grad_enabled():
+            return
+        if start is not None and first.grad_fn._sequence_nr() < start:
             return
         tag = (self._step_id, call)
         self._api_hooks.append(first.grad_fn.register_hook(partial(self._api_backward_done, tag)))

@@ -5,7 +5,6 @@ See `msprobe_engine.dump.session` for the session's calls; torch is imported her
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -111,8 +110,8 @@ class PrecisionDebugger(DumpSession):
                 tensor_crc32 if self.config.summary_mode == "md5" else None)
 
 
-def _torch_save(tensor: Any, path: Path) -> None:
-    torch.save(tensor, path)
+def _torch_save(tensor: Any, file: Any) -> None:
+    torch.save(tensor, file)
 
 
 def _rank_and_world() -> tuple[int | None, int]:
