@@ -1,0 +1,127 @@
+"""What the HF Trainer's and Lightning's adapters share: the step's losses, the decision before
+the trainer's optimizer step (`skip` sets the gradients aside, `stop` is returned for the
+trainer's own way of ending), what follows the step (`train/skipped`, parameters and optimizer
+state), and the run's voice inside the trainer: alerts printed above the progress bar, the run
+directory said once, the count of alerts so far for the trainer's own logs."""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, Callable
+
+import torch
+
+from msprobe_engine.contract import Integration
+from msprobe_engine.frameworks.torch.optimizer_hooks import SKIPPED, restore_grads
+from msprobe_engine.monitor import Monitor
+from msprobe_engine.records import StepRecord
+from msprobe_integrations.trainer_hooks import decide
+
+#: the key under which the trainers' own logs get the number of alerts so far
+ALERTS_KEY = "msprobe/alerts"
+
+
+class TrainerAdapter(Integration):
+    """A `Monitor` driven by a trainer's callback (HF Trainer, Lightning). Subclasses set
+    `reads` (the `OptimizerHooks` of the model, or None) and call `keep_loss`,
+    `decide_step` and `finish_step`."""
+
+    def __init__(self, monitor: Monitor, ranks: int) -> None:
+        super().__init__(monitor)
+        self.ranks = ranks
+        self.reads: Any = None
+        #: a `stop` rule fired: the trainer ends after this step
+        self.stopped = False
+        self._losses: list[torch.Tensor] = []
+        self._held: list = []
+
+    def keep_loss(self, loss: Any) -> None:
+        """One micro-batch's loss (a tensor), kept on the device until the decision."""
+        if self.monitor.active and isinstance(loss, torch.Tensor):
+            self._losses.append(loss.detach().reshape(()))
+
+    def report_losses(self, combine: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """The step's loss: `combine` of the kept micro-batch losses (stacked)."""
+        losses, self._losses = self._losses, []
+        if self.monitor.active and losses:
+            with self.monitor.guard("loss"):
+                self.monitor.report_loss(combine(torch.stack(losses)))
+
+    def decide_step(self, optimizer: Any) -> bool:
+        """The decision before the trainer's optimizer step (the gradients are read by then).
+        True: a `stop` rule fired (the step is then skipped too)."""
+        stop, self._held = decide(self.monitor, self.ranks, optimizer)
+        self.stopped = self.stopped or stop
+        return stop
+
+    def finish_step(self, optimizer: Any) -> bool:
+        """After the trainer's optimizer step: the gradients back, `train/skipped`, what the
+        step changed. After a `stop`, nothing more is measured or closed (as when
+        `TrainingStopped` propagates: `close` writes the stopping step); returns False then."""
+        skipped, self._held = bool(self._held), restore_grads(self._held) or []
+        if self.stopped:
+            return False
+        monitor = self.monitor
+        if monitor.active:
+            with monitor.guard("optimizer post-step"):
+                monitor.add_tensors([SKIPPED], [monitor.backend.scalar(1.0 if skipped else 0.0)])
+        if self.reads is not None and optimizer is not None:
+            self.reads.after_step(optimizer)
+        monitor.after_optimizer_step()
+        return True
+
+
+class AlertCount:
+    """The number of alert episodes a monitor has started so far (for the trainer's logs,
+    under `ALERTS_KEY`): a cumulative count, so a one-step alert stays visible."""
+
+    def __init__(self, monitor: Any) -> None:
+        self.total = 0
+        monitor.step_end_listeners.append(self._add)
+
+    def _add(self, record: StepRecord) -> None:
+        self.total += sum(event.phase == "start" for event in record.alerts)
+
+
+class ProgressBarHandler(logging.Handler):
+    """Writes the monitor's messages with `tqdm.write`, above the trainer's progress bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm.auto import tqdm
+
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # a logging handler never raises into the training
+            self.handleError(record)
+
+
+def speak_through_progress_bar() -> ProgressBarHandler | None:
+    """While a trainer runs: the monitor's warnings and alerts go through `tqdm.write` (not
+    into the middle of the progress bar) when nothing else handles them (logging's last
+    resort would print them raw). Returns the handler to remove, or None."""
+    logger = logging.getLogger("msprobe_engine")
+    if logger.hasHandlers():  # the user configured logging: theirs
+        return None
+    handler = ProgressBarHandler(logging.WARNING)
+    logger.addHandler(handler)
+    return handler
+
+
+def quiet(handler: ProgressBarHandler | None) -> None:
+    """Remove the handler `speak_through_progress_bar` added."""
+    if handler is not None:
+        logging.getLogger("msprobe_engine").removeHandler(handler)
+
+
+def announce(monitor: Monitor) -> None:
+    """Say once, on the writing rank (its run directory exists), where the run is written and
+    the command that shows it."""
+    if monitor.run_dir.is_dir():
+        message = (f"msprobe: writing the run to {monitor.run.root} "
+                   f"(view it: msprobe-engine tensorboard --logdir {monitor.config.output_dir})")
+        try:
+            from tqdm.auto import tqdm
+
+            tqdm.write(message, file=sys.stderr)
+        except ImportError:
+            print(message, file=sys.stderr)
