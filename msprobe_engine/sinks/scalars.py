@@ -1,5 +1,8 @@
-"""A step record as the flat `name -> value` scalars that metric services (W&B, MLflow) log."""
+"""What the metric services' sinks (W&B, MLflow) share: a step record as flat `name -> value`
+scalars, the run's name, its incident directories."""
 from __future__ import annotations
+
+from pathlib import Path
 
 from msprobe_engine.records import StepRecord
 
@@ -11,3 +14,15 @@ def record_scalars(record: StepRecord) -> dict[str, float]:
     for alert in record.alerts:
         scalars[f"alert/{alert.rule}"] = 1.0 if alert.phase == "start" else 0.0
     return scalars
+
+
+def run_name(run_dir: Path) -> str:
+    """The monitor's run name from this rank's directory (``<output_dir>/<run name>/rank<R>``)."""
+    return run_dir.resolve().parent.name
+
+
+def incident_directories(incidents_dir: Path | None) -> list[Path]:
+    """The run's incident directories written so far (each holds its incident.json)."""
+    if incidents_dir is None or not incidents_dir.is_dir():
+        return []
+    return sorted(path.parent for path in incidents_dir.glob("*/incident.json"))
