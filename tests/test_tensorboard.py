@@ -222,3 +222,17 @@ def test_the_landing_page_opens_on_the_health_group(server, tmp_path):
     subprocess.run([CHROMIUM, *flags, f"--screenshot={shot}", server + "/"], capture_output=True, timeout=180)
     width, height = struct.unpack(">II", shot.read_bytes()[16:24])
     assert (width, height) == (1600, 1200)
+
+
+def test_tensorboard_verb_names_a_missing_logdir_in_one_line_and_leaves_the_trend_plugin_out(tmp_path, capsys):
+    from msprobe_engine.cli import main
+    from msprobe_engine.sinks.tb_server import TREND_PLUGIN, unique_plugins
+
+    assert main(["tensorboard", "--logdir", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--logdir {tmp_path / 'missing'}: no such directory" in err
+    names = [getattr(p, "plugin_name", None) for p in unique_plugins(tmp_path)]
+    assert TREND_PLUGIN not in names and names.count("graph_ascend") <= 1
+    (tmp_path / "run.trend.db").write_bytes(b"")  # the predecessor's own database: its plugin is wanted
+    with_trend = [getattr(p, "plugin_name", None) for p in unique_plugins(tmp_path)]
+    assert TREND_PLUGIN in with_trend and len(with_trend) == len(names) + 1
