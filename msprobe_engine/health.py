@@ -5,6 +5,9 @@ reductions; the row layout is cached while the keys repeat), and put first in th
 step's record, so that every sink gets them:
 
     Health/loss, Health/grad_norm          train/loss, grad/global/norm
+    Health/alerts                          alert episodes started so far in this process (cumulative:
+                                           a one-step alert stays visible, smoothing or not)
+    Health/lr                              the learning rate, where the integration knows it (train/lr)
     Health/non_finite/<kind>               nan + inf elements in actv, actv_grad, grad, param, optim
     Health/worst_deviation                 the largest fold change of a row's norm from its running average
     Health/skipped                         1 when the step's optimizer step was skipped (train/skipped)
@@ -34,14 +37,17 @@ class HealthMeter:
         self.rules = list(dict.fromkeys(rules))
         self._norms = RunningNorms()
         self._open: set[tuple[str, str]] = set()  # (rule, tag) of the open episodes
+        self._started = 0  # episodes started so far
         self._keys: list[MetricKey] = []
         self._kind = np.zeros(0, dtype=np.int64)  # index into KINDS, -1 for other rows
 
     def __call__(self, table: StatTable, events: list[AlertEvent], metrics: dict[str, float],
                  monitor_ms: float) -> dict[str, float]:
         """`Health/*` of the step whose rows are `table`, followed by its `metrics`."""
+        self._started += sum(event.phase == "start" for event in events)
         health = {f"{PREFIX}{name}": metrics[tag] for name, tag in
-                  (("loss", "train/loss"), ("grad_norm", "grad/global/norm")) if tag in metrics}
+                  (("loss", "train/loss"), ("grad_norm", "grad/global/norm"), ("lr", "train/lr")) if tag in metrics}
+        health[f"{PREFIX}alerts"] = float(self._started)
         kind = self._kinds(table.keys)
         counts = np.bincount(kind + 1, weights=table.partials[:, P_NAN] + table.partials[:, P_INF],
                              minlength=len(KINDS) + 1)[1:]

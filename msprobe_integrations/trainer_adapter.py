@@ -15,10 +15,13 @@ from msprobe_engine.contract import Integration
 from msprobe_engine.frameworks.torch.optimizer_hooks import SKIPPED, restore_grads
 from msprobe_engine.monitor import Monitor
 from msprobe_engine.records import StepRecord
+from msprobe_engine.stats.table import MetricKey
 from msprobe_integrations.trainer_hooks import decide
 
 #: the key under which the trainers' own logs get the number of alerts so far
 ALERTS_KEY = "msprobe/alerts"
+#: the learning rate of the step (the first parameter group's), also shown as Health/lr
+LR = MetricKey("train", "lr")
 
 
 class TrainerAdapter(Integration):
@@ -56,7 +59,7 @@ class TrainerAdapter(Integration):
 
     def finish_step(self, optimizer: Any) -> bool:
         """After the trainer's optimizer step: the gradients back, `train/skipped`, what the
-        step changed. After a `stop`, nothing more is measured or closed (as when
+        step changed, the learning rate (`train/lr`). After a `stop`, nothing more is measured or closed (as when
         `TrainingStopped` propagates: `close` writes the stopping step); returns False then."""
         skipped, self._held = bool(self._held), restore_grads(self._held) or []
         if self.stopped:
@@ -64,11 +67,23 @@ class TrainerAdapter(Integration):
         monitor = self.monitor
         if monitor.active:
             with monitor.guard("optimizer post-step"):
-                monitor.add_tensors([SKIPPED], [monitor.backend.scalar(1.0 if skipped else 0.0)])
+                keys, values = [SKIPPED], [monitor.backend.scalar(1.0 if skipped else 0.0)]
+                lr = _learning_rate(optimizer)
+                if lr is not None:
+                    keys.append(LR)
+                    values.append(monitor.backend.scalar(lr))
+                monitor.add_tensors(keys, values)
         if self.reads is not None and optimizer is not None:
             self.reads.after_step(optimizer)
         monitor.after_optimizer_step()
         return True
+
+
+def _learning_rate(optimizer: Any) -> float | None:
+    """The first parameter group's learning rate (the schedulers' value for this step), or None."""
+    groups = getattr(optimizer, "param_groups", None)
+    lr = groups[0].get("lr") if groups else None
+    return float(lr) if isinstance(lr, (int, float)) or (isinstance(lr, torch.Tensor) and lr.numel() == 1) else None
 
 
 class AlertCount:

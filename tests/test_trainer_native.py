@@ -36,7 +36,9 @@ def test_hf_skip_is_recorded_alerts_reach_log_history_and_the_run_is_announced_o
     records = list(callback.monitor.history)
     assert [r.metrics["train/skipped"] for r in records] == [0.0, 1.0, 0.0]
     assert [r.metrics["Health/skipped"] for r in records] == [0.0, 1.0, 0.0]
+    assert [r.metrics["Health/alerts"] for r in records] == [0.0, 1.0, 1.0]  # cumulative: the one-step alert stays
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert [r.metrics["Health/lr"] for r in records] == pytest.approx([e["learning_rate"] for e in logged])
     # counted once the step's record is written (here during the next step: read a step late)
     assert [entry["msprobe/alerts"] for entry in logged] == [0, 0, 1]
     err = capfd.readouterr().err
@@ -50,6 +52,8 @@ def test_lightning_skip_is_recorded_and_alerts_reach_callback_metrics(tmp_path, 
     assert [r.metrics["train/skipped"] for r in records] == [0.0, 1.0, 0.0]
     assert [r.metrics["Health/skipped"] for r in records] == [0.0, 1.0, 0.0]
     assert float(trainer.callback_metrics["msprobe/alerts"]) == 1.0
+    assert [r.metrics["Health/alerts"] for r in records] == [0.0, 1.0, 1.0]
+    assert [r.metrics["train/lr"] for r in records] == [1e-3] * 3
     assert capfd.readouterr().err.count("msprobe: writing the run to") == 1
 
 
