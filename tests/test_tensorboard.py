@@ -218,6 +218,9 @@ def test_the_landing_page_opens_on_the_health_group(server, tmp_path):
                          timeout=180).stdout
     groups = re.findall(r'class="group-title"[^>]*title="([^"]+)"', dom)
     assert groups[0] == "Health", groups  # the first group under Pinned
+    # the cards drawn on the first screen (the rest are drawn when scrolled to), in order
+    cards = re.findall(r'class="tag"[^>]*title="(Health/[^"]+)"', dom)
+    assert "Health/alerts" in cards[:3], cards  # the alerts so far: in the first row
     shot = tmp_path / "landing.png"
     subprocess.run([CHROMIUM, *flags, f"--screenshot={shot}", server + "/"], capture_output=True, timeout=180)
     width, height = struct.unpack(">II", shot.read_bytes()[16:24])
