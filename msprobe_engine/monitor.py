@@ -114,7 +114,7 @@ class Monitor(StepLifecycle):
         self.run = open_run_dir(self.config.output_dir, self.config.run_name, self.config.resume, self.rank, writes,
                                 self.config.incidents.dir)
         self.run_dir = self.run.rank_dir
-        self._sinks = create_sinks(self.config.sinks, self.run_dir, self.run.incidents) if writes else []
+        self._sinks = create_sinks(self.config.sinks, self.run_dir, self.run.incidents, self.config) if writes else []
         self._health = HealthMeter([rule.name for rule in self._rules])
         self.writer = BackgroundWriter(self.config.writer.queue_size, self.config.writer.when_full,
                                        strict=self.config.strict)

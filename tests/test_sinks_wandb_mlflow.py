@@ -1,5 +1,6 @@
 """The wandb and mlflow sinks, read back with the tools' own readers: an offline W&B run
 (its transaction log, W&B's record schema) and a local MLflow file store (`MlflowClient`)."""
+import json
 import math
 import sys
 from pathlib import Path
@@ -115,7 +116,12 @@ def test_wandb_reuses_the_active_run_filters_by_default_and_keeps_incidents_as_a
     assert "actv/1/output/max" not in logged and not any(k.startswith("optim/") for k in logged)  # TensorBoard's filter
     assert [row["msprobe/step"] for row in rows if "msprobe/step" in row] == list(range(STEPS))
     (path,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
-    artifacts = [r.artifact for r in finished_records(path) if r.WhichOneof("record_type") == "artifact"]
+    records = finished_records(path)
+    config = {item.key: json.loads(item.value_json) for r in records if r.WhichOneof("record_type") == "config"
+              for item in r.config.update}
+    assert config["msprobe.output_dir"] == str(tmp_path / "out") and config["msprobe.run_name"] == "tiny-run"
+    assert json.loads(config["msprobe.alerts"])[0]["rule"] == "non_finite"  # the monitor's config, as the run's
+    artifacts = [r.artifact for r in records if r.WhichOneof("record_type") == "artifact"]
     assert [(a.name, a.type) for a in artifacts] == [(f"incident-step{NAN_STEP}-rank0-non_finite", "incident")]
     assert "incident.json" in {entry.path for entry in artifacts[0].manifest.contents}
 
@@ -144,6 +150,7 @@ def test_mlflow_reuses_the_active_run_filters_by_default_and_logs_incidents_as_a
         client = MlflowClient(tracking_uri=uri)
         (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
         assert run.info.run_id == theirs.info.run_id and run.info.run_name == "the-trainers-run"
+        assert run.data.params["msprobe.run_name"] == "tiny-run" and run.data.params["msprobe.schedule.interval"] == "1"
         keys = set(run.data.metrics)
         assert {"train/loss", "grad/global/norm", "actv/1/output/norm"} <= keys
         assert "actv/1/output/max" not in keys and not any(k.startswith("optim/") for k in keys)

@@ -8,7 +8,8 @@ monitor starts (`mlflow.active_run()`: the HF Trainer's `report_to="mlflow"`, yo
 `mlflow.start_run()`): then the metrics go
 into that run, which is left open. As the TensorBoard sink, only the per-layer tags of
 `layer_kinds` with the statistics of `layer_stats` are logged (`layer_filter.py`). At `close`
-each incident directory is logged as artifacts under `incidents/<name>/`. `tracking_uri`
+each incident directory is logged as artifacts under `incidents/<name>/`. The monitor's config
+is logged as the run's parameters (`msprobe.<key>...`, lists as JSON). `tracking_uri`
 empty: MLflow's own (`MLFLOW_TRACKING_URI`). A `file:` store needs `MLFLOW_ALLOW_FILE_STORE=true`
 with MLflow 3 (MLflow's rule; mlflow-skinny has no database backend).
 """
@@ -22,10 +23,12 @@ from typing import Any
 from msprobe_engine.records import StepRecord
 from msprobe_engine.sinks.base import Sink, register_sink
 from msprobe_engine.sinks.layer_filter import LayerChoice, LayerFilter
-from msprobe_engine.sinks.scalars import incident_directories, record_scalars, run_name
+from msprobe_engine.sinks.scalars import config_params, incident_directories, record_scalars, run_name
 
-#: MLflow's limit of metrics per `log_batch` call
+#: MLflow's limits: metrics and parameters per `log_batch` call, characters of a parameter's value
 BATCH_LIMIT = 1000
+PARAM_BATCH = 100
+PARAM_LIMIT = 6000
 _NOT_ALLOWED = re.compile(r"[^/\w.\- :]")
 
 
@@ -65,13 +68,26 @@ class MlflowSink(Sink):
         c = self.config
         if self._active is not None:
             self._client, self.run_id = MlflowClient(tracking_uri=self._active_uri), self._active
-            return
-        self._client = MlflowClient(tracking_uri=c.tracking_uri or None)
+        else:
+            self._client = MlflowClient(tracking_uri=c.tracking_uri or None)
+            self.run_id = self._create()
+        self._log_params()
+
+    def _create(self) -> str:
+        c = self.config
         experiment = self._client.get_experiment_by_name(c.experiment)
         experiment_id = experiment.experiment_id if experiment else self._client.create_experiment(c.experiment)
         tags = dict(tag.partition("=")[::2] for tag in c.run_tags)
-        run = self._client.create_run(experiment_id, run_name=c.run_name or run_name(self.run_dir), tags=tags)
-        self.run_id = run.info.run_id
+        return self._client.create_run(experiment_id, run_name=c.run_name or run_name(self.run_dir),
+                                       tags=tags).info.run_id
+
+    def _log_params(self) -> None:
+        """The monitor's config as the run's parameters (`msprobe.<key>...`)."""
+        from mlflow.entities import Param
+
+        params = [Param(key, value[:PARAM_LIMIT]) for key, value in config_params(self.monitor_config).items()]
+        for start in range(0, len(params), PARAM_BATCH):
+            self._client.log_batch(self.run_id, params=params[start:start + PARAM_BATCH])
 
     def write(self, record: StepRecord) -> None:
         from mlflow.entities import Metric

@@ -10,6 +10,7 @@ to W&B's own setting (`WANDB_MODE`, `wandb offline`). Per-layer tags are many: a
 TensorBoard sink, only the kinds in `layer_kinds` with the statistics in `layer_stats` are
 sent (`layer_filter.py`); `tags` limits further, e.g. ``{name: wandb, tags: ["train/*"]}``.
 In a run that is not ours, W&B's step is the trainer's: our step is logged as `msprobe/step`.
+The monitor's config is the run's config (`msprobe.<key>...`).
 At `close` each incident directory becomes an artifact (type `incident`, `incident-<name>`).
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from msprobe_engine.config.fields import choices
 from msprobe_engine.records import StepRecord
 from msprobe_engine.sinks.base import Sink, register_sink
 from msprobe_engine.sinks.layer_filter import LayerChoice, LayerFilter
-from msprobe_engine.sinks.scalars import incident_directories, record_scalars, run_name
+from msprobe_engine.sinks.scalars import config_params, incident_directories, record_scalars, run_name
 
 #: our step, logged as a metric into a run whose step the trainer owns
 STEP_KEY = "msprobe/step"
@@ -59,14 +60,15 @@ class WandbSink(Sink):
         self._keeps = LayerFilter(config)
 
     def open(self) -> None:
-        if self._active is not None:
-            self._run = self._active
-            return
+        self._run = self._active if self._active is not None else self._create()
+        self._run.config.update(config_params(self.monitor_config), allow_val_change=True)
+
+    def _create(self) -> Any:
         import wandb
 
         c = self.config
         options = {"entity": c.entity, "group": c.group, "mode": c.mode}
-        self._run = wandb.init(project=c.project, name=c.run_name or run_name(self.run_dir),
+        return wandb.init(project=c.project, name=c.run_name or run_name(self.run_dir),
                                dir=c.dir or str(self.run_dir), tags=c.run_tags or None,
                                reinit="create_new", **{k: v for k, v in options.items() if v})
 
