@@ -61,7 +61,9 @@ class TrainerAdapter(Integration):
         """After the trainer's optimizer step: the gradients back, `train/skipped`, what the
         step changed, the learning rate (`train/lr`). After a `stop`, nothing more is measured or closed (as when
         `TrainingStopped` propagates: `close` writes the stopping step); returns False then."""
-        skipped, self._held = bool(self._held), restore_grads(self._held) or []
+        skipped = bool(self._held)
+        restore_grads(self._held)
+        self._held = []
         if self.stopped:
             return False
         monitor = self.monitor
