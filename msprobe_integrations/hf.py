@@ -35,6 +35,10 @@ The monitor's state (step, rules, alert episodes, incident counters) is saved wi
 Trainer checkpoint (`trainer_state.json`, as an `ExportableState`) and restored by
 `trainer.train(resume_from_checkpoint=...)`, so an alert episode open at the checkpoint
 stays open and a spike rule keeps its running average.
+
+Step numbers are the Trainer's: a record's step is the `state.global_step` the Trainer logs
+for that optimizer step (after its increment), so the first step is 1. (Before, the first
+step was 0: the monitor's step N was HF's global_step N+1.)
 """
 from __future__ import annotations
 
@@ -105,7 +109,8 @@ class MonitorCallback(TrainerCallback, ExportableState):
             self.monitor = _deepspeed_monitor(engine, config, self)
         else:
             # with average_tokens_across_devices the Trainer multiplies a token share by the ranks
-            self.monitor = TrainerHooks(model, optimizer, config, start_step=state.global_step,
+            # the monitor's step is the Trainer's global_step once that step is done (on_log's)
+            self.monitor = TrainerHooks(model, optimizer, config, start_step=state.global_step + 1,
                                         ranks=args.world_size,
                                         share_scale=args.world_size if args.average_tokens_across_devices else 1)
         if saved is not None:

@@ -116,8 +116,9 @@ class LightningHooks(TrainerAdapter):
         from msprobe_engine.frameworks.torch.module_hooks import ModuleHooks
         from msprobe_engine.frameworks.torch.optimizer_hooks import OptimizerHooks
 
-        super().__init__(Monitor(config, rank=trainer.global_rank, backend=backend, start_step=trainer.global_step),
-                         trainer.world_size)
+        # the monitor's step is trainer.global_step once that optimizer step is done
+        super().__init__(Monitor(config, rank=trainer.global_rank, backend=backend,
+                                 start_step=trainer.global_step + 1), trainer.world_size)
         monitor = self.monitor
         strategy = type(trainer.strategy).__name__
         self.reads_model = strategy not in SHARDED and module.automatic_optimization

@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from msprobe_engine.config import ConfigError
-from tests.trainer_helpers import action_config, hf_run, lightning_run
+from tests.trainer_helpers import GAS, action_config, hf_run, lightning_run
 
 pytestmark = pytest.mark.slow  # the real Trainers (a few seconds each)
 
@@ -38,6 +38,7 @@ def test_hf_skip_is_recorded_alerts_reach_log_history_and_the_run_is_announced_o
     assert [r.metrics["Health/skipped"] for r in records] == [0.0, 1.0, 0.0]
     assert [r.metrics["Health/alerts"] for r in records] == [0.0, 1.0, 1.0]  # cumulative: the one-step alert stays
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert [r.step for r in records] == [entry["step"] for entry in logged] == [1, 2, 3]  # HF's global_step
     assert [r.metrics["Health/lr"] for r in records] == pytest.approx([e["learning_rate"] for e in logged])
     # counted once the step's record is written (here during the next step: read a step late)
     assert [entry["msprobe/alerts"] for entry in logged] == [0, 0, 1]
@@ -47,8 +48,18 @@ def test_hf_skip_is_recorded_alerts_reach_log_history_and_the_run_is_announced_o
 
 
 def test_lightning_skip_is_recorded_and_alerts_reach_callback_metrics(tmp_path, capfd):
-    callback, trainer = lightning_run(tmp_path, _skip_config(tmp_path), faults={1})
+    import lightning.pytorch as pl
+
+    seen = []  # trainer.global_step after each optimizer step (the batch that ends one)
+
+    class GlobalStep(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx % GAS == GAS - 1:
+                seen.append(trainer.global_step)
+
+    callback, trainer = lightning_run(tmp_path, _skip_config(tmp_path), faults={1}, callbacks=[GlobalStep()])
     records = list(callback.monitor.history)
+    assert [r.step for r in records] == seen == [1, 2, 3]
     assert [r.metrics["train/skipped"] for r in records] == [0.0, 1.0, 0.0]
     assert [r.metrics["Health/skipped"] for r in records] == [0.0, 1.0, 0.0]
     assert float(trainer.callback_metrics["msprobe/alerts"]) == 1.0
@@ -66,6 +77,6 @@ def test_alerts_go_through_tqdm_write_while_the_trainer_runs_and_not_after(tmp_p
     logger = logging.getLogger("msprobe_engine")
     assert not logger.hasHandlers()
     hf_run(tmp_path, _skip_config(tmp_path), faults={1})
-    assert any(line.startswith("msprobe alert non_finite start at step 1") for line in written), written
+    assert any(line.startswith("msprobe alert non_finite start at step 2") for line in written), written
     assert any(line.startswith("msprobe: writing the run to") for line in written)
     assert not logger.handlers  # removed at the end of training
