@@ -187,6 +187,7 @@ class TrainerHooks(TrainerAdapter):
         if not (self.monitor.active and module.training and torch.is_grad_enabled()):
             return
         self._loss_is_share = kwargs.get("num_items_in_batch") is not None
+        self.count_batch(kwargs)
         loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
         if isinstance(loss, torch.Tensor):
             self.keep_loss(loss)

@@ -89,6 +89,7 @@ class MonitorCallback(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.monitor.micro_step_begin()
+        self.monitor.count_batch(batch)
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         self.monitor.keep_loss(loss)

@@ -6,7 +6,9 @@ directory said once, the count of alerts so far for the trainer's own logs."""
 from __future__ import annotations
 
 import logging
+import resource
 import sys
+import time
 from typing import Any, Callable
 
 import torch
@@ -22,6 +24,9 @@ from msprobe_integrations.trainer_hooks import decide
 ALERTS_KEY = "msprobe/alerts"
 #: the learning rate of the step (the first parameter group's), also shown as Health/lr
 LR = MetricKey("train", "lr")
+#: the step's throughput (since the previous step's end) and the memory at its end (Health/ shows them)
+TOKENS_PER_S, SAMPLES_PER_S = MetricKey("train", "tokens_per_s"), MetricKey("train", "samples_per_s")
+CPU_RSS_MB, DEVICE_MB = MetricKey("train", "cpu_rss_mb"), MetricKey("train", "device_mem_mb")
 
 
 class TrainerAdapter(Integration):
@@ -37,11 +42,23 @@ class TrainerAdapter(Integration):
         self.stopped = False
         self._losses: list[torch.Tensor] = []
         self._held: list = []
+        self._samples = self._tokens = 0  # counted since the previous step's end
+        self._step_ended: float | None = None  # perf_counter at the previous step's end
 
     def keep_loss(self, loss: Any) -> None:
         """One micro-batch's loss (a tensor), kept on the device until the decision."""
         if self.monitor.active and isinstance(loss, torch.Tensor):
             self._losses.append(loss.detach().reshape(()))
+
+    def count_batch(self, batch: Any) -> None:
+        """A micro-batch's size, from shapes only (no sync): samples, the first dimension of its
+        `input_ids` (else of its first tensor); tokens, the elements of its `input_ids`."""
+        ids = batch.get("input_ids") if isinstance(batch, dict) else None
+        first = ids if isinstance(ids, torch.Tensor) else _first_tensor(batch)
+        if first is not None and first.dim() > 0:
+            self._samples += first.shape[0]
+        if isinstance(ids, torch.Tensor):
+            self._tokens += ids.numel()
 
     def report_losses(self, combine: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """The step's loss: `combine` of the kept micro-batch losses (stacked)."""
@@ -59,7 +76,7 @@ class TrainerAdapter(Integration):
 
     def finish_step(self, optimizer: Any) -> bool:
         """After the trainer's optimizer step: the gradients back, `train/skipped`, what the
-        step changed, the learning rate (`train/lr`). After a `stop`, nothing more is measured or closed (as when
+        step changed, the learning rate (`train/lr`), the throughput and memory. After a `stop`, nothing more is measured or closed (as when
         `TrainingStopped` propagates: `close` writes the stopping step); returns False then."""
         skipped = bool(self._held)
         restore_grads(self._held)
@@ -71,14 +88,42 @@ class TrainerAdapter(Integration):
             with monitor.guard("optimizer post-step"):
                 keys, values = [SKIPPED], [monitor.backend.scalar(1.0 if skipped else 0.0)]
                 lr = _learning_rate(optimizer)
-                if lr is not None:
-                    keys.append(LR)
-                    values.append(monitor.backend.scalar(lr))
+                measured = {LR: lr, **self._throughput(), **_memory()}
+                for key, value in measured.items():
+                    if value is not None:
+                        keys.append(key)
+                        values.append(monitor.backend.scalar(value))
                 monitor.add_tensors(keys, values)
+        self._step_ended = time.perf_counter()
+        self._samples = self._tokens = 0
         if self.reads is not None and optimizer is not None:
             self.reads.after_step(optimizer)
         monitor.after_optimizer_step()
         return True
+
+
+    def _throughput(self) -> dict[MetricKey, float | None]:
+        """Samples and tokens per second since the previous step's end (none for the first step)."""
+        if self._step_ended is None:
+            return {}
+        seconds = max(time.perf_counter() - self._step_ended, 1e-9)
+        return {SAMPLES_PER_S: self._samples / seconds if self._samples else None,
+                TOKENS_PER_S: self._tokens / seconds if self._tokens else None}
+
+
+def _first_tensor(batch: Any) -> torch.Tensor | None:
+    if isinstance(batch, torch.Tensor):
+        return batch
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    return next((item for item in items if isinstance(item, torch.Tensor)), None)
+
+
+def _memory() -> dict[MetricKey, float | None]:
+    """The process's peak resident memory and the device memory torch holds, in MiB: counters
+    read on the host (no sync)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    device = torch.cuda.memory_allocated() / 2 ** 20 if torch.cuda.is_initialized() else None
+    return {CPU_RSS_MB: rss, DEVICE_MB: device}
 
 
 def _learning_rate(optimizer: Any) -> float | None:

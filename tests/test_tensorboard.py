@@ -55,7 +55,7 @@ def test_layout_puts_the_same_sublayer_of_every_layer_in_one_chart():
     tags = [f"grad/model.layers.{i}.mlp.down_proj.weight/norm" for i in range(layers)]
     tags += [f"actv/model.layers.{i}/output/norm" for i in range(layers)] + ["grad/lm_head.weight/norm",
                                                                            "grad/model.embed.weight/norm"]
-    layout = build_layout(tags, ["Health/loss", "Health/alert/spike"])
+    layout = build_layout(tags, ["Health/loss", "Health/open_alert/spike"])
     titles = [c.title for c in layout.category]
     assert titles == ["Health", "grad norm", "actv output norm"]
     grad = {chart.title: chart.multiline.tag[0] for chart in layout.category[1].chart}
@@ -91,8 +91,9 @@ def test_histograms_of_the_layer_norms_on_request_and_bad_keys_named(tmp_path):
     assert set(events.Tags()["histograms"]) == {"hist/actv_log10_norm", "hist/grad_log10_norm"}
     grads = events.Histograms("hist/grad_log10_norm")
     assert [h.step for h in grads] == [0, 1, 2] and all(h.histogram_value.num == 4 for h in grads)  # 4 parameters
-    heatmaps = events.Tensors("Health/heatmap/grad_norm")
-    assert [t.step for t in heatmaps] == [1, 2]  # every 2 monitored steps, and the last one at close
+    heatmaps = {tag: [t.step for t in events.Tensors(tag)] for tag in events.Tags()["tensors"] if "heatmap/grad" in tag}
+    # every 2 monitored steps, and the last one at close: a tag per window (each its own legend)
+    assert heatmaps == {"Health/heatmap/grad_norm/steps_0-1": [1], "Health/heatmap/grad_norm/steps_0-2": [2]}
     with pytest.raises(ConfigError, match=r"sinks\[0\]\.heatmap_every"):
         load_config({"sinks": [{"name": "tensorboard", "heatmap_every": -1}]})
     with pytest.raises(ConfigError, match=r"sinks\[0\]\.layer_kinds"):
@@ -160,13 +161,13 @@ def test_tensorboard_serves_the_overview_first_and_the_layers_compared(server):
     tags = list(get(server, "/data/plugin/scalars/tags")["rank0"])
     health = sorted(t for t in tags if t.startswith("Health/"))
     assert {"Health/loss", "Health/grad_norm", "Health/non_finite/actv", "Health/non_finite/grad",
-            "Health/worst_deviation", "Health/skipped", "Health/alert/non_finite", "Health/monitor_ms"} <= set(health)
+            "Health/worst_deviation", "Health/skipped", "Health/open_alert/non_finite", "Health/monitor_ms"} <= set(health)
     assert sorted(tags)[0].startswith("Health/")  # TensorBoard sorts groups by name: Health first
     per_layer = [t for t in tags if t.split("/")[0] in ("actv", "grad") and t != "grad/global/norm"]
     assert per_layer and all(t.endswith("/norm") for t in per_layer)  # layer_stats: [norm]
     assert not any(t.startswith(("optim/", "param/")) for t in tags)  # layer_kinds: [actv, grad]
 
-    alert = get(server, "/data/plugin/scalars/scalars", run="rank0", tag="Health/alert/non_finite")
+    alert = get(server, "/data/plugin/scalars/scalars", run="rank0", tag="Health/open_alert/non_finite")
     assert [step for _, step, _ in alert] == list(range(STEPS))  # every monitored step
     assert [step for _, step, value in alert if value == 1.0] == [INJECT_AT]
     skipped = get(server, "/data/plugin/scalars/scalars", run="rank0", tag="Health/skipped")
@@ -192,11 +193,19 @@ def test_tensorboard_shows_the_incident_and_the_heatmap(server, demo):
         assert expected in text
 
     images = get(server, "/data/plugin/images/tags")["rank0"]
-    assert set(images) == {"Health/heatmap/actv_norm", "Health/heatmap/grad_norm"}
-    shown = get(server, "/data/plugin/images/images", run="rank0", tag="Health/heatmap/actv_norm", sample="0")
-    assert [image["step"] for image in shown] == [INJECT_AT, 49, STEPS - 1]  # the incident, every 50, the end
-    pixels = decode_png(get(server, "/data/plugin/images/individualImage?" + shown[0]["query"]))
-    rows = re.findall(r"(\d+): <code>([^<]+)</code>", images["Health/heatmap/actv_norm"]["description"])
+    # one tag per kind and window of steps: the incident's, every 50, the end (the last heatmap_steps=100)
+    windows = [f"steps_0-{last}" for last in (INJECT_AT, 49, STEPS - 1)]
+    assert set(images) == {f"Health/heatmap/{kind}_norm/{window}" for kind in ("actv", "grad") for window in windows}
+    for tag, image in images.items():  # each legend is its own image's
+        first, last = map(int, tag.rsplit("_", 1)[1].split("-"))
+        assert f"Steps {first}..{last} left to right" in image["description"], (tag, image["description"])
+        assert ("Non-finite rows: <code>" in image["description"]) == (last >= INJECT_AT), tag  # the nan's window
+        [shown] = get(server, "/data/plugin/images/images", run="rank0", tag=tag, sample="0")
+        assert shown["step"] == last
+    tag = f"Health/heatmap/actv_norm/steps_0-{INJECT_AT}"
+    [shown] = get(server, "/data/plugin/images/images", run="rank0", tag=tag, sample="0")
+    pixels = decode_png(get(server, "/data/plugin/images/individualImage?" + shown["query"]))
+    rows = re.findall(r"(\d+): <code>([^<]+)</code>", images[tag]["description"])
     names = [name for _, name in rows]
     height, width = pixels.shape[:2]
     cell_h, cell_w = height // len(names), width // (INJECT_AT + 1)  # steps 0..40

@@ -40,6 +40,11 @@ def test_hf_skip_is_recorded_alerts_reach_log_history_and_the_run_is_announced_o
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert [r.step for r in records] == [entry["step"] for entry in logged] == [1, 2, 3]  # HF's global_step
     assert [r.metrics["Health/lr"] for r in records] == pytest.approx([e["learning_rate"] for e in logged])
+    # throughput from the second step on (since the previous step's end): 2 micro-batches of 2 rows of 16 tokens
+    assert "Health/tokens_per_s" not in records[0].metrics
+    rates = [(r.metrics["Health/tokens_per_s"], r.metrics["Health/samples_per_s"]) for r in records[1:]]
+    assert all(tokens == pytest.approx(16 * samples) and samples > 0 for tokens, samples in rates), rates
+    assert all(r.metrics["Health/memory/cpu_rss_mb"] > 10 for r in records)  # the peak RSS of this process
     # counted once the step's record is written (here during the next step: read a step late)
     assert [entry["msprobe/alerts"] for entry in logged] == [0, 0, 1]
     err = capfd.readouterr().err
@@ -65,6 +70,7 @@ def test_lightning_skip_is_recorded_and_alerts_reach_callback_metrics(tmp_path, 
     assert float(trainer.callback_metrics["msprobe/alerts"]) == 1.0
     assert [r.metrics["Health/alerts"] for r in records] == [0.0, 1.0, 1.0]
     assert [r.metrics["train/lr"] for r in records] == [1e-3] * 3
+    assert all(r.metrics["Health/tokens_per_s"] > 0 and r.metrics["Health/samples_per_s"] > 0 for r in records[1:])
     assert capfd.readouterr().err.count("msprobe: writing the run to") == 1
 
 

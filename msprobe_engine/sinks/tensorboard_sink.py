@@ -4,7 +4,7 @@ Per monitored step: every `Health/*` and `train/*` scalar, the global gradient n
 the per-layer tags of the kinds in `layer_kinds` with the statistics in `layer_stats`
 (they compare across layers in the custom-scalars layout, written with the first step and
 again when new tags appear). Every `heatmap_every` steps and at each incident: heatmaps of the activation and
-gradient norms (`Health/heatmap/*`, layers x steps); at the incident's step: the incident
+gradient norms (`Health/heatmap/<kind>_norm/steps_<first>-<last>`, layers x steps); at the incident's step: the incident
 as markdown (`Health/incident`); on request, histograms of the per-layer norms.
 Everything runs on the writer thread (docs/tensorboard.md).
 """
@@ -137,8 +137,10 @@ class TensorBoardSink(Sink):
             height, width = rgb.shape[:2]
             tensor = TensorProto(dtype=DT_STRING, string_val=[str(width).encode(), str(height).encode(), png(rgb)],
                                  tensor_shape=TensorShapeProto(dim=[TensorShapeProto.Dim(size=3)]))
-            meta = image_metadata.create_summary_metadata(f"{kind} norms, layers x steps", legend(history, norms))
-            values.append(Summary.Value(tag=f"Health/heatmap/{kind}_norm", metadata=meta, tensor=tensor))
+            first, last = history.steps()
+            meta = image_metadata.create_summary_metadata(f"{kind} norms, layers x steps {first}..{last}",
+                                                          legend(history, norms))
+            values.append(Summary.Value(tag=heatmap_tag(kind, first, last), metadata=meta, tensor=tensor))
         return values
 
     def _histograms(self, norms: dict[str, dict[str, float]]) -> list[Summary.Value]:
@@ -173,6 +175,13 @@ class TensorBoardSink(Sink):
             summary = scalars + Summary(value=values).SerializeToString()
             self._writer.add_event(Event(step=step, wall_time=time.time() if wall_time is None else wall_time),
                                    summary)
+
+
+def heatmap_tag(kind: str, first: int, last: int) -> str:
+    """A heatmap's tag: one per kind and window of steps, so that each image keeps its own legend
+    (TensorBoard shows a tag's first description for all its images). Before, one tag per kind:
+    ``Health/heatmap/<kind>_norm``."""
+    return f"Health/heatmap/{kind}_norm/steps_{first}-{last}"
 
 
 def _picture_row(tag: str) -> tuple[str, str] | None:
