@@ -91,9 +91,9 @@ def test_histograms_of_the_layer_norms_on_request_and_bad_keys_named(tmp_path):
     assert set(events.Tags()["histograms"]) == {"hist/actv_log10_norm", "hist/grad_log10_norm"}
     grads = events.Histograms("hist/grad_log10_norm")
     assert [h.step for h in grads] == [0, 1, 2] and all(h.histogram_value.num == 4 for h in grads)  # 4 parameters
-    heatmaps = {tag: [t.step for t in events.Tensors(tag)] for tag in events.Tags()["tensors"] if "heatmap/grad" in tag}
+    heatmaps = {tag: [t.step for t in events.Tensors(tag)] for tag in events.Tags()["tensors"] if tag.startswith("Heatmap/grad")}
     # every 2 monitored steps, and the last one at close: a tag per window (each its own legend)
-    assert heatmaps == {"Health/heatmap/grad_norm/steps_0-1": [1], "Health/heatmap/grad_norm/steps_0-2": [2]}
+    assert heatmaps == {"Heatmap/grad_norm/steps_0-1": [1], "Heatmap/grad_norm/steps_0-2": [2]}
     with pytest.raises(ConfigError, match=r"sinks\[0\]\.heatmap_every"):
         load_config({"sinks": [{"name": "tensorboard", "heatmap_every": -1}]})
     with pytest.raises(ConfigError, match=r"sinks\[0\]\.layer_kinds"):
@@ -195,14 +195,14 @@ def test_tensorboard_shows_the_incident_and_the_heatmap(server, demo):
     images = get(server, "/data/plugin/images/tags")["rank0"]
     # one tag per kind and window of steps: the incident's, every 50, the end (the last heatmap_steps=100)
     windows = [f"steps_0-{last}" for last in (INJECT_AT, 49, STEPS - 1)]
-    assert set(images) == {f"Health/heatmap/{kind}_norm/{window}" for kind in ("actv", "grad") for window in windows}
+    assert set(images) == {f"Heatmap/{kind}_norm/{window}" for kind in ("actv", "grad") for window in windows}
     for tag, image in images.items():  # each legend is its own image's
         first, last = map(int, tag.rsplit("_", 1)[1].split("-"))
         assert f"Steps {first}..{last} left to right" in image["description"], (tag, image["description"])
         assert ("Non-finite rows: <code>" in image["description"]) == (last >= INJECT_AT), tag  # the nan's window
         [shown] = get(server, "/data/plugin/images/images", run="rank0", tag=tag, sample="0")
         assert shown["step"] == last
-    tag = f"Health/heatmap/actv_norm/steps_0-{INJECT_AT}"
+    tag = f"Heatmap/actv_norm/steps_0-{INJECT_AT}"
     [shown] = get(server, "/data/plugin/images/images", run="rank0", tag=tag, sample="0")
     pixels = decode_png(get(server, "/data/plugin/images/individualImage?" + shown["query"]))
     rows = re.findall(r"(\d+): <code>([^<]+)</code>", images[tag]["description"])
@@ -229,7 +229,8 @@ def test_the_landing_page_opens_on_the_health_group(server, tmp_path):
     assert groups[0] == "Health", groups  # the first group under Pinned
     # the cards drawn on the first screen (the rest are drawn when scrolled to), in order
     cards = re.findall(r'class="tag"[^>]*title="(Health/[^"]+)"', dom)
-    assert "Health/alerts" in cards[:3], cards  # the alerts so far: in the first row
+    # the first row: the alerts so far and the loss (the per-rule Health/open_alert/* sort after them)
+    assert {"Health/alerts", "Health/loss"} <= set(cards[:3]), cards
     shot = tmp_path / "landing.png"
     subprocess.run([CHROMIUM, *flags, f"--screenshot={shot}", server + "/"], capture_output=True, timeout=180)
     width, height = struct.unpack(">II", shot.read_bytes()[16:24])

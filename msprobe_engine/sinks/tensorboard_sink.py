@@ -4,7 +4,7 @@ Per monitored step: every `Health/*` and `train/*` scalar, the global gradient n
 the per-layer tags of the kinds in `layer_kinds` with the statistics in `layer_stats`
 (they compare across layers in the custom-scalars layout, written with the first step and
 again when new tags appear). Every `heatmap_every` steps and at each incident: heatmaps of the activation and
-gradient norms (`Health/heatmap/<kind>_norm/steps_<first>-<last>`, layers x steps); at the incident's step: the incident
+gradient norms (`Heatmap/<kind>_norm/steps_<first>-<last>`, layers x steps); at the incident's step: the incident
 as markdown (`Health/incident`); on request, histograms of the per-layer norms.
 Everything runs on the writer thread (docs/tensorboard.md).
 """
@@ -179,9 +179,10 @@ class TensorBoardSink(Sink):
 
 def heatmap_tag(kind: str, first: int, last: int) -> str:
     """A heatmap's tag: one per kind and window of steps, so that each image keeps its own legend
-    (TensorBoard shows a tag's first description for all its images). Before, one tag per kind:
+    (TensorBoard shows a tag's first description for all its images), in a group of their own
+    after `Health` (whose cards, loss first, fill the first screen). Before, one tag per kind:
     ``Health/heatmap/<kind>_norm``."""
-    return f"Health/heatmap/{kind}_norm/steps_{first}-{last}"
+    return f"Heatmap/{kind}_norm/steps_{first}-{last}"
 
 
 def _picture_row(tag: str) -> tuple[str, str] | None:
