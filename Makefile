@@ -50,8 +50,9 @@ install-all: $(VENV)/.all
 $(PY):
 	$(PYTHON3) -m venv $(VENV)
 
-# The core (torch + TensorBoard): enough for the demo.
-$(VENV)/.core: pyproject.toml constraints.txt | $(PY)
+# The core (torch + TensorBoard): enough for the demo. The editable install also compiles the CPU
+# kernel into the package (setup.py): it is rebuilt when its source changes.
+$(VENV)/.core: pyproject.toml setup.py msprobe_engine/frameworks/torch/cpu_reduce.c constraints.txt | $(PY)
 	$(PIP) -e ".[torch,test]"
 	touch $@
 

@@ -57,7 +57,7 @@ def charts(model, loss_of, tensorboard, out: Path) -> dict[str, int]:
     monitor.close()
     events = EventAccumulator(str(out / "r" / "rank0"), size_guidance={"scalars": 0, "tensors": 0}).Reload()
     scalars = events.Tags()["scalars"]
-    images = [t for t in events.Tags()["tensors"] if t.startswith("Health/heatmap/")]
+    images = [t for t in events.Tags()["tensors"] if t.startswith("Heatmap/")]
     return {"charts": len(scalars) + len(images), "health": sum(t.startswith("Health/") for t in scalars) + len(images)}
 
 

@@ -114,9 +114,9 @@ def print_summary(monitor, args: argparse.Namespace, elapsed: float) -> None:
         steps = f"{event.steps} step{'' if event.steps == 1 else 's'}"
         print(f"alert: {event.rule} ended at step {event.step} after {steps}; last value {event.value:g}")
     print(f"\nrun: {os.path.abspath(monitor.run.root)}")
-    print(f"see it in TensorBoard:  {tensorboard_command(os.path.abspath(monitor.run.root))}")
-    print("  (then open http://127.0.0.1:6006; --logdir "
-          f"{os.path.abspath(monitor.config.output_dir)} shows every run side by side)")
+    # the output_dir, not the run's directory: TensorBoard labels the run with its name (<name>/rank0)
+    print(f"see it in TensorBoard:  {tensorboard_command(os.path.abspath(monitor.config.output_dir))}")
+    print(f"  (then open http://127.0.0.1:6006: the run is {monitor.run.name}/rank0, beside the other runs there)")
     print_incidents(monitor)
 
 

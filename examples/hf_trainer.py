@@ -35,14 +35,15 @@ def token_rows(count: int, seq: int = 32) -> list[dict[str, torch.Tensor]]:
 
 
 def inject_nan(model, layer: str, at_step: int, accumulation: int) -> None:
-    """Make `layer`'s output nan during optimizer step `at_step` (a fault to find)."""
+    """Make `layer`'s output nan during optimizer step `at_step` (the trainer's global_step
+    after it, as the monitor numbers it: the first step is 1; a fault to find)."""
     forwards = {"n": 0}
 
     def count(module, args):
         forwards["n"] += module.training
 
     def corrupt(module, args, output):
-        return output * float("nan") if module.training and (forwards["n"] - 1) // accumulation == at_step else None
+        return output * float("nan") if module.training and (forwards["n"] - 1) // accumulation + 1 == at_step else None
 
     model.register_forward_pre_hook(count)
     model.get_submodule(layer).register_forward_hook(corrupt)
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-dir", default="./hf_output")
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps")
     parser.add_argument("--accumulation", type=int, default=2, help="gradient accumulation steps")
-    parser.add_argument("--nan-at", type=int, help=f"make {LAYER}'s output nan at this step")
+    parser.add_argument("--nan-at", type=int, help=f"make {LAYER}'s output nan at this step (the global_step, from 1)")
     parser.add_argument("--deepspeed", help="a DeepSpeed config (JSON) whose \"msprobe\" block is the monitor's")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -5,10 +5,18 @@ reductions; the row layout is cached while the keys repeat), and put first in th
 step's record, so that every sink gets them:
 
     Health/loss, Health/grad_norm          train/loss, grad/global/norm
+    Health/alerts                          alert episodes started so far in this process (cumulative:
+                                           a one-step alert stays visible, smoothing or not)
+    Health/lr                              the learning rate, where the integration knows it (train/lr)
     Health/non_finite/<kind>               nan + inf elements in actv, actv_grad, grad, param, optim
     Health/worst_deviation                 the largest fold change of a row's norm from its running average
     Health/skipped                         1 when the step's optimizer step was skipped (train/skipped)
-    Health/alert/<rule>                    1 while an episode of the rule is open, else 0 (every step)
+    Health/tokens_per_s, samples_per_s     throughput since the previous step's end, where the trainer
+                                           callbacks see the batches (train/tokens_per_s, ...)
+    Health/memory/cpu_rss_mb, device_mb    the process's peak RSS and torch's allocated device memory (MiB),
+                                           host counters read at the step's end (train/cpu_rss_mb, ...)
+    Health/open_alert/<rule>               1 while an episode of the rule is open, else 0 (every step;
+                                           was Health/alert/<rule>: renamed to sort after the loss)
     Health/monitor_ms                      the monitor's host time at the step's transfer, rules and record
 
 (`Health` is capitalised so that TensorBoard, which sorts groups by name, shows it first.)
@@ -34,14 +42,20 @@ class HealthMeter:
         self.rules = list(dict.fromkeys(rules))
         self._norms = RunningNorms()
         self._open: set[tuple[str, str]] = set()  # (rule, tag) of the open episodes
+        self._started = 0  # episodes started so far
         self._keys: list[MetricKey] = []
         self._kind = np.zeros(0, dtype=np.int64)  # index into KINDS, -1 for other rows
 
     def __call__(self, table: StatTable, events: list[AlertEvent], metrics: dict[str, float],
                  monitor_ms: float) -> dict[str, float]:
         """`Health/*` of the step whose rows are `table`, followed by its `metrics`."""
+        self._started += sum(event.phase == "start" for event in events)
         health = {f"{PREFIX}{name}": metrics[tag] for name, tag in
-                  (("loss", "train/loss"), ("grad_norm", "grad/global/norm")) if tag in metrics}
+                  (("loss", "train/loss"), ("grad_norm", "grad/global/norm"), ("lr", "train/lr"),
+                   ("tokens_per_s", "train/tokens_per_s"), ("samples_per_s", "train/samples_per_s"),
+                   ("memory/cpu_rss_mb", "train/cpu_rss_mb"), ("memory/device_mb", "train/device_mem_mb"))
+                  if tag in metrics}
+        health[f"{PREFIX}alerts"] = float(self._started)
         kind = self._kinds(table.keys)
         counts = np.bincount(kind + 1, weights=table.partials[:, P_NAN] + table.partials[:, P_INF],
                              minlength=len(KINDS) + 1)[1:]
@@ -57,7 +71,7 @@ class HealthMeter:
             (self._open.add if event.phase == "start" else self._open.discard)((event.rule, event.tag))
         open_rules = {rule for rule, _ in self._open}
         for rule in self.rules:
-            health[f"{PREFIX}alert/{rule}"] = 1.0 if rule in open_rules else 0.0
+            health[f"{PREFIX}open_alert/{rule}"] = 1.0 if rule in open_rules else 0.0
         health[f"{PREFIX}monitor_ms"] = monitor_ms
         health.update(metrics)
         return health

@@ -35,6 +35,10 @@ The monitor's state (step, rules, alert episodes, incident counters) is saved wi
 Trainer checkpoint (`trainer_state.json`, as an `ExportableState`) and restored by
 `trainer.train(resume_from_checkpoint=...)`, so an alert episode open at the checkpoint
 stays open and a spike rule keeps its running average.
+
+Step numbers are the Trainer's: a record's step is the `state.global_step` the Trainer logs
+for that optimizer step (after its increment), so the first step is 1. (Before, the first
+step was 0: the monitor's step N was HF's global_step N+1.)
 """
 from __future__ import annotations
 
@@ -46,13 +50,15 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from msprobe_engine.config import ConfigSource
+from msprobe_engine.config import ConfigSource, load_config
 from msprobe_engine.contract import Integration
 from msprobe_engine.incident.actions import TrainingStopped
 from msprobe_engine.monitor import Monitor
 from msprobe_engine.handles import Handles
 from msprobe_engine.stats.table import MetricKey
-from msprobe_integrations.trainer_hooks import decide, resumed_config
+from msprobe_integrations.trainer_adapter import ALERTS_KEY, AlertCount, TrainerAdapter, announce, quiet, \
+    speak_through_progress_bar
+from msprobe_integrations.trainer_hooks import resumed_config
 
 __all__ = ["MonitorCallback"]
 
@@ -60,14 +66,25 @@ __all__ = ["MonitorCallback"]
 class MonitorCallback(TrainerCallback, ExportableState):
     """A `transformers.TrainerCallback` that monitors the Trainer's training (module docstring).
 
-    `config`: our config (a path, a dict or a `MonitorConfig`; None: the defaults, or under
-    DeepSpeed the `"msprobe"` block of its config). After `on_train_begin`, `.monitor` is the
-    adapter (`history`, `incidents`, `alert_log`, ... of the run)."""
+    `config`: our config (a path, a shipped config's name such as ``"full"``, a dict or a
+    `MonitorConfig`; None: the defaults, or under DeepSpeed the `"msprobe"` block of its
+    config), validated here: a problem is a `ConfigError` when the callback is built, not when
+    training starts. After `on_train_begin`, `.monitor` is the adapter (`history`,
+    `incidents`, `alert_log`, ... of the run).
+
+    Inside the Trainer: the run directory is printed once when training begins; the monitor's
+    alerts and warnings are printed above the progress bar (`tqdm.write`, unless logging is
+    configured); every entry of `state.log_history` gets ``msprobe/alerts``, the number of
+    alert episodes started so far."""
 
     def __init__(self, config: ConfigSource = None) -> None:
+        if config is not None:
+            load_config(config)  # a bad key, value or file: raised now
         self.config = config
         self.monitor: Integration | None = None
         self._stopped = False
+        self._handler = None
+        self._alerts: AlertCount | None = None
 
     # ---- the Trainer's checkpoints ----------------------------------------------
     def state(self) -> dict:
@@ -93,11 +110,21 @@ class MonitorCallback(TrainerCallback, ExportableState):
             self.monitor = _deepspeed_monitor(engine, config, self)
         else:
             # with average_tokens_across_devices the Trainer multiplies a token share by the ranks
-            self.monitor = TrainerHooks(model, optimizer, config, start_step=state.global_step,
+            # the monitor's step is the Trainer's global_step once that step is done (on_log's)
+            self.monitor = TrainerHooks(model, optimizer, config, start_step=state.global_step + 1,
                                         ranks=args.world_size,
                                         share_scale=args.world_size if args.average_tokens_across_devices else 1)
         if saved is not None:
             self.monitor.load_state_dict(saved)
+        self._alerts = AlertCount(self.monitor)
+        self._handler = speak_through_progress_bar()
+        if state.is_world_process_zero:
+            announce(self.monitor)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        """The Trainer has just added `logs` to `state.log_history`: the alert count joins it."""
+        if self._alerts is not None and state.log_history:
+            state.log_history[-1][ALERTS_KEY] = self._alerts.total
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if isinstance(self.monitor, TrainerHooks) and self.monitor.before_optimizer_step():
@@ -116,13 +143,15 @@ class MonitorCallback(TrainerCallback, ExportableState):
     def on_train_end(self, args, state, control, **kwargs):
         if self.monitor is not None:
             self.monitor.close()
+        quiet(self._handler)
+        self._handler = None
 
     def stop_after_this_step(self) -> None:
         """A `stop` rule fired under DeepSpeed: the Trainer ends after this step."""
         self._stopped = True
 
 
-class TrainerHooks(Integration):
+class TrainerHooks(TrainerAdapter):
     """The Trainer's model and optimizer (plain PyTorch, DDP) read for a `Monitor`: module
     hooks, pre-clip gradient hooks, the loss from the model's output, the optimizer's state.
     The callback calls `before_optimizer_step` / `after_optimizer_step` / `step_end`."""
@@ -133,23 +162,18 @@ class TrainerHooks(Integration):
         from msprobe_engine.frameworks.torch.module_hooks import ModuleHooks
         from msprobe_engine.frameworks.torch.optimizer_hooks import OptimizerHooks
 
-        super().__init__(Monitor(config, backend=backend, start_step=start_step))
+        super().__init__(Monitor(config, backend=backend, start_step=start_step), ranks)
         monitor = self.monitor
         self.model = model
-        self.ranks = ranks
         self.share_scale = share_scale
-        #: a `stop` rule fired: the Trainer ends after this step
-        self.stopped = False
         self.optimizer = _torch_optimizer(optimizer, monitor.warn)
-        self._losses: list[torch.Tensor] = []
-        self._held: list = []
         if not isinstance(model, torch.nn.Module):
             monitor.warn(f"MonitorCallback: the Trainer's model is a {type(model).__name__}, not a torch.nn.Module: "
                          "activations, gradients and the loss are not monitored")
-            self.reads = None
             return
         self.reads = OptimizerHooks(monitor, model, None, read_grads=ranks > 1)
         self._loss_is_share = False  # the model divides its loss by the step's token count
+        self._grads: list[tuple[MetricKey, torch.Tensor]] = []  # final this backward, measured at its end
         handles = [ModuleHooks(monitor, model),
                    Handles([model.register_forward_hook(self._loss_hook, with_kwargs=True)])]
         if monitor.config.watch.param_grads and ranks == 1:
@@ -164,49 +188,44 @@ class TrainerHooks(Integration):
         if not (self.monitor.active and module.training and torch.is_grad_enabled()):
             return
         self._loss_is_share = kwargs.get("num_items_in_batch") is not None
+        self.count_batch(kwargs)
         loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
         if isinstance(loss, torch.Tensor):
-            self._losses.append(loss.detach().reshape(()))
+            self.keep_loss(loss)
         else:
             self.monitor.warn("MonitorCallback: the model's output has no `loss` (a compute_loss outside the "
                               "model?): train/loss is not monitored")
 
     def _grad_hook(self, key: MetricKey, param: torch.Tensor) -> None:
+        """A gradient is final (the last micro-batch's backward has accumulated it, the Trainer
+        has not clipped it yet): kept, and all of them measured in one batch when this backward
+        ends (autograd's end-of-backward callback), as the plain loop reads them."""
         monitor = self.monitor
         if monitor.active and self._gradient_state.sync_gradients and "gradient hook" not in monitor.disabled:
-            with monitor.guard("gradient hook"):
-                monitor.add_tensors([key], [param.grad])
+            if not self._grads:
+                torch.autograd.Variable._execution_engine.queue_callback(self._measure_grads)
+            self._grads.append((key, param.grad))
+
+    def _measure_grads(self) -> None:
+        grads, self._grads = self._grads, []
+        with self.monitor.guard("gradient hook"):
+            self.monitor.add_tensors([key for key, _ in grads], [grad for _, grad in grads])
 
     # ---- lifecycle (called by the callback) ---------------------------------------
     def before_optimizer_step(self) -> bool:
         """At `on_pre_optimizer_step`: the loss, DDP's gradients, then the decision. Returns
         True when a `stop` rule fired (the step is then skipped too)."""
-        monitor = self.monitor
         if self.reads is None:
             return False
-        losses, self._losses = self._losses, []
-        if monitor.active and losses:
-            with monitor.guard("loss"):  # the step's loss: the sum of shares, else the mean
-                losses = torch.stack(losses)
-                monitor.report_loss(losses.sum() * self.share_scale if self._loss_is_share else losses)
+        # the step's loss: the sum of shares, else the mean
+        self.report_losses(lambda losses: losses.sum() * self.share_scale if self._loss_is_share else losses)
         self.reads.before_step()  # with DDP: the gradients too (averaged now, and clipped)
-        stop, self._held = decide(monitor, self.ranks, self.optimizer)
-        self.stopped = self.stopped or stop
-        return stop
+        return self.decide_step(self.optimizer)
 
     def after_optimizer_step(self) -> None:
-        """After the Trainer's optimizer step: the gradients back, what the step changed. After
-        a `stop`, nothing more is measured or closed (as when `TrainingStopped` propagates):
-        `close` at the end of training writes the stopping step."""
-        from msprobe_engine.frameworks.torch.optimizer_hooks import restore_grads
-
-        restore_grads(self._held)
-        self._held = []
-        if self.stopped:
-            return
-        if self.reads is not None and self.optimizer is not None:
-            self.reads.after_step(self.optimizer)
-        self.monitor.after_optimizer_step()
+        """After the Trainer's optimizer step: the gradients back, `train/skipped`, what the step
+        changed (`TrainerAdapter.finish_step`)."""
+        self.finish_step(self.optimizer)
 
 
 def _torch_optimizer(optimizer: Any, warn) -> torch.optim.Optimizer | None:

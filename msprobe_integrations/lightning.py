@@ -34,11 +34,12 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback
 
-from msprobe_engine.config import ConfigSource
-from msprobe_engine.contract import Integration
+from msprobe_engine.config import ConfigSource, load_config
 from msprobe_engine.handles import Handles
 from msprobe_engine.monitor import Monitor
-from msprobe_integrations.trainer_hooks import decide, resumed_config
+from msprobe_integrations.trainer_adapter import ALERTS_KEY, AlertCount, TrainerAdapter, announce, quiet, \
+    speak_through_progress_bar
+from msprobe_integrations.trainer_hooks import resumed_config
 
 __all__ = ["MonitorCallback"]
 
@@ -49,13 +50,23 @@ SHARDED = ("FSDPStrategy", "ModelParallelStrategy", "DeepSpeedStrategy")
 class MonitorCallback(Callback):
     """A `lightning.pytorch.Callback` that monitors `trainer.fit` (module docstring).
 
-    `config`: a path, a dict or a `MonitorConfig` (None: the defaults). From
-    `on_train_start` on, `.monitor` is the adapter (`history`, `incidents`, ...)."""
+    `config`: a path, a shipped config's name such as ``"full"``, a dict or a `MonitorConfig`
+    (None: the defaults), validated here: a problem is a `ConfigError` when the callback is
+    built. From `on_train_start` on, `.monitor` is the adapter (`history`, `incidents`, ...).
+
+    Inside the Trainer: the run directory is printed once when training starts; the monitor's
+    alerts and warnings are printed above the progress bar (`tqdm.write`, unless logging is
+    configured); ``msprobe/alerts``, the number of alert episodes started so far, is logged
+    with `LightningModule.log` after every step (the logger, `trainer.callback_metrics`)."""
 
     def __init__(self, config: ConfigSource = None) -> None:
+        if config is not None:
+            load_config(config)  # a bad key, value or file: raised now
         self.config = config
         self.monitor: LightningHooks | None = None
         self._saved: dict | None = None
+        self._handler = None
+        self._alerts: AlertCount | None = None
 
     # ---- checkpoints ------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -72,9 +83,14 @@ class MonitorCallback(Callback):
         self.monitor = LightningHooks(trainer, pl_module, resumed_config(self.config, bool(self._saved)))
         if self._saved:
             self.monitor.load_state_dict(self._saved)
+        self._alerts = AlertCount(self.monitor)
+        self._handler = speak_through_progress_bar()
+        if trainer.is_global_zero:
+            announce(self.monitor)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.monitor.micro_step_begin()
+        self.monitor.count_batch(batch)
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         self.monitor.keep_loss(loss)
@@ -85,12 +101,16 @@ class MonitorCallback(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.monitor.batch_end(trainer.global_step)
+        pl_module.log(ALERTS_KEY, float(self._alerts.total), on_step=True, on_epoch=False, reduce_fx="max",
+                      sync_dist=False, rank_zero_only=True)
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.monitor.close()
+        quiet(self._handler)
+        self._handler = None
 
 
-class LightningHooks(Integration):
+class LightningHooks(TrainerAdapter):
     """A `Monitor` fed from a LightningModule and its torch optimizers (see the module docstring)."""
 
     def __init__(self, trainer: Any, module: Any, config: ConfigSource = None) -> None:
@@ -98,9 +118,10 @@ class LightningHooks(Integration):
         from msprobe_engine.frameworks.torch.module_hooks import ModuleHooks
         from msprobe_engine.frameworks.torch.optimizer_hooks import OptimizerHooks
 
-        super().__init__(Monitor(config, rank=trainer.global_rank, backend=backend, start_step=trainer.global_step))
+        # the monitor's step is trainer.global_step once that optimizer step is done
+        super().__init__(Monitor(config, rank=trainer.global_rank, backend=backend,
+                                 start_step=trainer.global_step + 1), trainer.world_size)
         monitor = self.monitor
-        self.ranks = trainer.world_size
         strategy = type(trainer.strategy).__name__
         self.reads_model = strategy not in SHARDED and module.automatic_optimization
         if strategy in SHARDED:
@@ -112,11 +133,7 @@ class LightningHooks(Integration):
         self.module = module
         self._modules = ModuleHooks(monitor, module, counts_micro_steps=False)
         self.reads = OptimizerHooks(monitor, module, None, read_grads=True)
-        self._losses: list[torch.Tensor] = []
-        self._held: list = []
         self._stepped = False
-        #: a `stop` rule fired: Lightning ends after this batch
-        self.stopped = False
         self._global_step = trainer.global_step
         handles = []
         if self.reads_model:
@@ -135,36 +152,18 @@ class LightningHooks(Integration):
         self._modules._root_pre_hook(self.module, ())
         self.monitor.micro_step_begin()
 
-    def keep_loss(self, loss: torch.Tensor) -> None:
-        if self.monitor.active and isinstance(loss, torch.Tensor):
-            self._losses.append(loss.detach().reshape(()))
-
     def before_optimizer_step(self, optimizer: Any) -> bool:
         """The accumulated, unclipped gradients; the decision. True: a `stop` rule fired."""
-        monitor = self.monitor
-        losses, self._losses = self._losses, []
-        if monitor.active and losses:
-            with monitor.guard("loss"):
-                monitor.report_loss(torch.stack(losses).sum())
+        self.report_losses(torch.sum)
         if not self.reads_model:
             return False
         self.reads.before_step()
-        stop, self._held = decide(monitor, self.ranks, optimizer)
-        self.stopped = self.stopped or stop
-        return stop
+        return self.decide_step(optimizer)
 
     def _after_step(self, optimizer, args, kwargs) -> None:
-        """The torch optimizer's post-step hook. After a `stop`, nothing more is measured or
-        closed (as when `TrainingStopped` propagates): `close` writes the stopping step."""
-        from msprobe_engine.frameworks.torch.optimizer_hooks import restore_grads
-
-        restore_grads(self._held)
-        self._held = []
-        if self.stopped:
-            return
-        self.reads.after_step(optimizer)
-        self.monitor.after_optimizer_step()
-        self._stepped = True
+        """The torch optimizer's post-step hook (`TrainerAdapter.finish_step`)."""
+        if self.finish_step(optimizer):
+            self._stepped = True
 
     def batch_end(self, global_step: int) -> None:
         """After a batch: closes the optimizer step when this batch ended one."""

@@ -8,6 +8,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # that layout for them; tests/test_run_dir.py and tests/test_tensorboard.py unset it
 os.environ.setdefault("MSPROBE_RUN_NAME", ".")
 ROOT = Path(__file__).resolve().parents[1]
+# a checkout used without `pip install` has no C kernel in the package (or one older than its
+# source, after an edit): the tests build it at run time (cpu_reduce.py's opt-in) to test it all the same
+_KERNEL = ROOT / "msprobe_engine" / "frameworks" / "torch"
+_BUILT = list(_KERNEL.glob("_cpu_reduce*.so"))
+if not _BUILT or min(p.stat().st_mtime for p in _BUILT) < (_KERNEL / "cpu_reduce.c").stat().st_mtime:
+    os.environ.setdefault("MSPROBE_CPU_KERNEL", "build")
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

@@ -92,3 +92,21 @@ def test_check_config_verb(tmp_path, capsys):
     bad.write_text("stats: [nrom]\n")
     assert main(["check-config", str(bad)]) == 1
     assert "bad.yaml: stats[0]: 'nrom' is not one of" in capsys.readouterr().err
+
+
+def test_the_shipped_configs_are_in_the_package_and_chosen_by_name(tmp_path, monkeypatch):
+    from msprobe_engine.config import shipped
+
+    table = shipped.names()
+    for name in ("full", "minimal", "grads_optimizer", "deepspeed", "megatron", "mindspore",
+                 "mindspore/graph_mode", "predecessor_monitor"):
+        assert table[name].is_relative_to(shipped.FOLDER), name
+    assert not any(name.startswith("deepspeed/zero") for name in table)  # DeepSpeed's own configs: files only
+    monkeypatch.chdir(tmp_path)  # outside the repository
+    assert load_config("full") == load_config(CONFIGS / "full.yaml")
+    assert load_config("configs/deepspeed/monitor.yaml") == load_config(CONFIGS / "deepspeed" / "monitor.yaml")
+    (tmp_path / "full").write_text("output_dir: mine\n")  # a file of that name wins
+    assert load_config("full").output_dir == "mine"
+    with pytest.raises(ConfigError, match=r"minimall: config file not found, and not a shipped config's name "
+                                          r"\(did you mean 'minimal'\?\); the shipped configs: .*grads_optimizer"):
+        load_config("minimall")

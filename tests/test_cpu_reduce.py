@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -115,19 +116,22 @@ print(json.dumps({"available": cpu_reduce.available(), "reason": cpu_reduce.disa
 
 
 def run(env: dict, cache: Path) -> tuple[dict, str]:
-    full = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MSPROBE_CACHE_DIR": str(cache), **env}
+    full = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MSPROBE_CACHE_DIR": str(cache),
+            "MSPROBE_CPU_KERNEL": "build", **env}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=full, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
 
 def test_the_library_is_built_once_into_the_cache_and_loaded_from_it_later(tmp_path):
+    """The run-time build (MSPROBE_CPU_KERNEL=build); the compiler is part of the cache key, so a
+    later run still needs it (a run with no compiler at all is served by the packaged library)."""
     first, _ = run({}, tmp_path)
     assert first["available"] and first["measured"] and first["reason"] is None
     built = list(tmp_path.glob("cpu_reduce-*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
-    second, _ = run({"CC": "/nonexistent/cc"}, tmp_path)  # a later run needs no compiler
+    second, _ = run({}, tmp_path)  # loaded, not compiled again
     assert second["available"] and second["max"] == second["want"]
     assert built[0].stat().st_mtime_ns == stamp and list(tmp_path.glob("*.so")) == built
 
@@ -151,6 +155,54 @@ def test_a_compile_error_is_reported_with_the_compilers_message(tmp_path, monkey
     with pytest.raises(RuntimeError, match=r"failed on broken\.c: .*error"):
         cpu_reduce._build()
     assert not list((tmp_path / "cache").glob("*.so"))
+
+
+def test_a_cache_folder_others_may_write_into_is_refused(tmp_path, monkeypatch):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("MSPROBE_CACHE_DIR", str(shared))
+    with pytest.raises(RuntimeError, match="not private"):
+        cpu_reduce._build()
+    assert not list(shared.iterdir())
+
+
+def test_ranks_building_at_once_compile_once_and_the_compiler_is_in_the_key(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MSPROBE_CACHE_DIR": str(tmp_path),
+           "MSPROBE_CPU_KERNEL": "build"}
+    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    results = [json.loads(p.communicate(timeout=300)[0].strip().splitlines()[-1]) for p in procs]
+    assert all(r["available"] and r["max"] == r["want"] for r in results)
+    assert len(list(tmp_path.glob("cpu_reduce-*.so"))) == 1
+    wrapper = tmp_path / "bin" / "cc"  # another compiler (a wrapper with its own --version): its own library
+    wrapper.parent.mkdir()
+    wrapper.write_text('#!/bin/sh\n[ "$1" = --version ] && { echo other-cc 1.0; exit 0; }\nexec cc "$@"\n')
+    wrapper.chmod(0o755)
+    other, _ = run({"CC": str(wrapper)}, tmp_path)
+    assert other["available"] and len(list(tmp_path.glob("cpu_reduce-*.so"))) == 2
+
+
+@pytest.mark.slow
+def test_the_wheel_carries_the_built_kernel_and_loads_it_with_no_compiler_on_path(tmp_path):
+    """`pip wheel` compiles the kernel into the package (setup.py); installed from the wheel, it
+    loads with no compiler anywhere and no cache written."""
+    wheels = tmp_path / "wheels"
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-q",
+                           "-w", str(wheels), str(ROOT)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    site = tmp_path / "site"
+    [wheel] = wheels.glob("*.whl")
+    zipfile.ZipFile(wheel).extractall(site)
+    assert list((site / "msprobe_engine" / "frameworks" / "torch").glob("_cpu_reduce*.so"))
+    env = {"PATH": str(tmp_path / "empty"), "HOME": str(tmp_path), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(site), "MSPROBE_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["available"] and result["measured"] and result["max"] == result["want"], result
+    assert not (tmp_path / "cache").exists()
 
 
 def test_a_monitored_run_records_the_same_statistics_with_the_kernel_and_the_torch_path(tmp_path, monkeypatch):

@@ -51,47 +51,47 @@ def test_gradients_are_read_before_clipping_and_equal_a_plain_torch_replay(tmp_p
 def test_a_nan_in_a_layer_is_named_in_the_incident_and_its_step_skipped(tmp_path):
     callback, trainer = hf_run(tmp_path, action_config(tmp_path, "skip"), faults={1})
     records = list(callback.monitor.history)
-    assert [r.step for r in records] == [0, 1, 2] and trainer.state.global_step == 3
+    assert [r.step for r in records] == [1, 2, 3] and trainer.state.global_step == 3
     assert math.isnan(records[1].metrics[f"actv/{LAYER}/output/norm"])
     assert math.isfinite(records[2].metrics["grad/global/norm"])  # the nan step did not reach the weights
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     (incident,) = incidents(tmp_path).values()
-    assert (incident["step"], incident["rule"], incident["action"]) == (1, "non_finite", "skip")
+    assert (incident["step"], incident["rule"], incident["action"]) == (2, "non_finite", "skip")
     assert (incident["culprit"]["phase"], incident["culprit"]["call"]) == ("forward", LAYER)
 
 
 def test_skip_then_stop_through_the_trainer(tmp_path):
-    """The lifecycle run: step 1 skipped (a nan), step 2 stopped (a loss spike); the Trainer
+    """The lifecycle run: step 2 skipped (a nan), step 3 stopped (a loss spike); the Trainer
     ends after the stopping step, as after its last, and the stopping step is not applied."""
     callback, trainer = hf_skip_then_stop_run(tmp_path)
     assert trainer.state.global_step == 3 and trainer.args.max_steps == 6
     records = list(callback.monitor.history)
-    assert [(r.step, r.micro_steps) for r in records] == [(0, GAS), (1, GAS), (2, GAS)]
+    assert [(r.step, r.micro_steps) for r in records] == [(1, GAS), (2, GAS), (3, GAS)]
     assert [(a.rule, a.phase, a.step) for r in records for a in r.alerts] == [
-        ("non_finite", "start", 1), ("non_finite", "end", 2), ("spike", "start", 2)]
+        ("non_finite", "start", 2), ("non_finite", "end", 3), ("spike", "start", 3)]
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     found = incidents(tmp_path)
-    assert [(i["step"], i["rule"], i["action"]) for i in found.values()] == [(1, "non_finite", "skip"),
-                                                                            (2, "spike", "stop")]
+    assert [(i["step"], i["rule"], i["action"]) for i in found.values()] == [(2, "non_finite", "skip"),
+                                                                            (3, "spike", "stop")]
 
 
 def test_resume_from_a_checkpoint_keeps_the_open_alert_episode(tmp_path):
-    """A nan from step 1 on; checkpoint at step 2. The resumed run is inside the same episode:
-    no new alert start, no new incident. (A fresh monitor would start one at step 2.)"""
+    """A nan from step 2 on; checkpoint at step 2. The resumed run is inside the same episode:
+    no new alert start, no new incident. (A fresh monitor would start one at step 3.)"""
     config = action_config(tmp_path / "run", "skip")
     saving = dict(save_strategy="steps", save_steps=2, max_steps=4)
     first, _ = hf_run(tmp_path, config, faults={1, 2, 3}, **saving)
     starts = [(a.step, a.phase) for r in first.monitor.history for a in r.alerts]
-    assert starts == [(1, "start")]
+    assert starts == [(2, "start")]
     saved = json.loads((tmp_path / "trainer" / "checkpoint-2" / "trainer_state.json").read_text())
-    assert saved["stateful_callbacks"]["MonitorCallback"]["attributes"]["msprobe_state"]["step"] == 2
+    assert saved["stateful_callbacks"]["MonitorCallback"]["attributes"]["msprobe_state"]["step"] == 3  # the next step's
     resumed, trainer = hf_run(tmp_path, config, faults={0, 1}, resume=str(tmp_path / "trainer" / "checkpoint-2"),
                               **saving)  # fault steps count from the resumed run's first step
     records = list(resumed.monitor.history)
-    assert [r.step for r in records] == [2, 3] and trainer.state.global_step == 4
+    assert [r.step for r in records] == [3, 4] and trainer.state.global_step == 4
     assert all(math.isnan(r.metrics[f"actv/{LAYER}/output/norm"]) for r in records)
     assert [a for r in records for a in r.alerts] == []
-    assert list(incidents(tmp_path / "run")) == ["step1-rank0-non_finite"]
+    assert list(incidents(tmp_path / "run")) == ["step2-rank0-non_finite"]
 
 
 def test_an_optimizer_it_cannot_read_is_named_in_a_warning(tmp_path, caplog):

@@ -43,28 +43,28 @@ def test_gradients_are_read_before_clipping_and_equal_a_plain_torch_replay(tmp_p
 def test_a_nan_in_a_layer_is_named_in_the_incident_and_its_step_skipped(tmp_path):
     callback, trainer = lightning_run(tmp_path, action_config(tmp_path, "skip"), faults={1})
     records = list(callback.monitor.history)
-    assert [r.step for r in records] == [0, 1, 2] and trainer.global_step == 3
+    assert [r.step for r in records] == [1, 2, 3] and trainer.global_step == 3
     assert [r.micro_steps for r in records] == [GAS] * 3
     assert math.isnan(records[1].metrics[f"actv/{LIT_LAYER}/output/norm"])
     assert math.isfinite(records[2].metrics["grad/global/norm"])
     assert all(torch.isfinite(p).all() for p in trainer.lightning_module.parameters())
     (incident,) = incidents(tmp_path).values()
-    assert (incident["step"], incident["action"]) == (1, "skip")
+    assert (incident["step"], incident["action"]) == (2, "skip")
     assert (incident["culprit"]["phase"], incident["culprit"]["call"]) == ("forward", LIT_LAYER)
 
 
 def test_skip_then_stop_through_should_stop(tmp_path):
-    """The lifecycle run: step 1 skipped (a nan), step 2 stopped (a loss spike)."""
+    """The lifecycle run: step 2 skipped (a nan), step 3 stopped (a loss spike)."""
     callback, trainer = lightning_skip_then_stop_run(tmp_path)
     assert trainer.should_stop and trainer.global_step == 3
     records = list(callback.monitor.history)
-    assert [(r.step, r.micro_steps) for r in records] == [(0, GAS), (1, GAS), (2, GAS)]
+    assert [(r.step, r.micro_steps) for r in records] == [(1, GAS), (2, GAS), (3, GAS)]
     assert [(a.rule, a.phase, a.step) for r in records for a in r.alerts] == [
-        ("non_finite", "start", 1), ("non_finite", "end", 2), ("spike", "start", 2)]
+        ("non_finite", "start", 2), ("non_finite", "end", 3), ("spike", "start", 3)]
     assert all(torch.isfinite(p).all() for p in trainer.lightning_module.parameters())
     found = incidents(tmp_path)
-    assert [(i["step"], i["rule"], i["action"]) for i in found.values()] == [(1, "non_finite", "skip"),
-                                                                            (2, "spike", "stop")]
+    assert [(i["step"], i["rule"], i["action"]) for i in found.values()] == [(2, "non_finite", "skip"),
+                                                                            (3, "spike", "stop")]
 
 
 def test_resume_from_a_checkpoint_keeps_the_open_alert_episode(tmp_path):
@@ -73,17 +73,17 @@ def test_resume_from_a_checkpoint_keeps_the_open_alert_episode(tmp_path):
     config = action_config(tmp_path / "run", "skip")
     saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
     first, _ = lightning_run(tmp_path, config, faults={1, 2, 3}, max_steps=4, callbacks=[saver])
-    assert [(a.step, a.phase) for r in first.monitor.history for a in r.alerts] == [(1, "start")]
+    assert [(a.step, a.phase) for r in first.monitor.history for a in r.alerts] == [(2, "start")]
     (checkpoint,) = [p for p in (tmp_path / "ckpt").iterdir() if "step=2" in p.name]
     saved = torch.load(checkpoint, weights_only=False)["callbacks"]
-    assert [state["step"] for key, state in saved.items() if key.startswith("MonitorCallback")] == [2]
+    assert [state["step"] for key, state in saved.items() if key.startswith("MonitorCallback")] == [3]
     resumed, trainer = lightning_run(tmp_path, config, faults={0, 1}, max_steps=4, ckpt_path=str(checkpoint),
                                      callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt2")])
     records = list(resumed.monitor.history)
-    assert [r.step for r in records] == [2, 3] and trainer.global_step == 4
+    assert [r.step for r in records] == [3, 4] and trainer.global_step == 4
     assert all(math.isnan(r.metrics[f"actv/{LIT_LAYER}/output/norm"]) for r in records)
     assert [a for r in records for a in r.alerts] == []  # the episode open at the checkpoint goes on
-    assert list(incidents(tmp_path / "run")) == ["step1-rank0-non_finite"]
+    assert list(incidents(tmp_path / "run")) == ["step2-rank0-non_finite"]
 
 
 def test_manual_optimization_is_named_in_a_warning(tmp_path, caplog):
@@ -104,7 +104,7 @@ def test_manual_optimization_is_named_in_a_warning(tmp_path, caplog):
     assert "manual optimization (automatic_optimization = False): gradients, optimizer state and actions " \
            "are not monitored" in caplog.text
     records = list(callback.monitor.history)
-    assert [r.step for r in records] == [0, 1]
+    assert [r.step for r in records] == [1, 2]
     assert f"actv/{LIT_LAYER}/output/norm" in records[0].metrics  # activations still are
     assert not any(tag.startswith(("grad/", "optim/")) for tag in records[0].metrics)
 

@@ -76,7 +76,7 @@ def test_an_alert_open_when_the_run_stopped_is_still_open_after_resume(tmp_path)
     config = {"output_dir": str(tmp_path), "run_name": "r", "sinks": ["jsonl"]}
     run(config, [1.0, float("nan")])
     run({**config, "resume": True}, [float("nan"), 1.0])
-    alert = [json.loads(line)["metrics"]["Health/alert/non_finite"]
+    alert = [json.loads(line)["metrics"]["Health/open_alert/non_finite"]
              for line in (tmp_path / "r" / "rank0" / "metrics.jsonl").read_text().splitlines()]
     assert alert == [0.0, 1.0, 1.0, 0.0]
 
@@ -135,10 +135,10 @@ def test_health_series_in_plain_pytorch(tmp_path):
     for record in records:
         assert next(iter(record["metrics"])).startswith("Health/")
     column = {tag: [r["metrics"].get(tag) for r in records] for tag in
-              ("Health/alert/non_finite", "Health/skipped", "train/skipped", "Health/non_finite/actv",
+              ("Health/open_alert/non_finite", "Health/skipped", "train/skipped", "Health/non_finite/actv",
                "Health/non_finite/grad")}
     once = [0.0, 0.0, 0.0, 0.0, 1.0, 0.0]
-    assert column["Health/alert/non_finite"] == once
+    assert column["Health/open_alert/non_finite"] == once
     assert column["Health/skipped"] == column["train/skipped"] == once
     assert column["Health/non_finite/actv"][4] >= 3 and column["Health/non_finite/actv"][5] == 0
     assert column["Health/non_finite/grad"][3] == 0 and column["Health/non_finite/grad"][4] > 0

@@ -1,7 +1,9 @@
 """The wandb and mlflow sinks, read back with the tools' own readers: an offline W&B run
 (its transaction log, W&B's record schema) and a local MLflow file store (`MlflowClient`)."""
+import json
 import math
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -87,3 +89,72 @@ def test_sink_settings_are_checked_at_load():
         load_config({"sinks": [{"name": "wandb", "mode": "sometimes"}]})
     with pytest.raises(ConfigError, match=r"sinks\[0\]\.projekt: unknown key .did you mean 'project'"):
         load_config({"sinks": [{"name": "wandb", "projekt": "x"}]})
+
+
+def _incident_config(out) -> dict:
+    return {"output_dir": str(out), "run_name": "tiny-run", "alerts": [{"rule": "non_finite"}]}
+
+
+@pytest.mark.slow  # wandb starts its service process (~5 s)
+def test_wandb_reuses_the_active_run_filters_by_default_and_keeps_incidents_as_artifacts(tmp_path, monkeypatch):
+    import wandb
+
+    from tests.wandb_reader import finished_records
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    theirs = wandb.init(project="trainer", name="the-trainers-run", dir=str(tmp_path))
+    theirs.log({"trainer/loss": 1.0})
+    train({**_incident_config(tmp_path / "out"), "sinks": ["wandb"]})
+    assert wandb.run is theirs  # left open for its owner
+    theirs.finish()
+    assert not list((tmp_path / "out").glob("**/offline-run-*"))  # no second run
+    rows, run = history(tmp_path)
+    assert run.display_name == "the-trainers-run"
+    logged = {key for row in rows for key in row if not key.startswith("_")}
+    assert {"trainer/loss", "train/loss", "grad/global/norm", "actv/1/output/norm", "msprobe/step"} <= logged
+    assert "actv/1/output/max" not in logged and not any(k.startswith("optim/") for k in logged)  # TensorBoard's filter
+    assert [row["msprobe/step"] for row in rows if "msprobe/step" in row] == list(range(STEPS))
+    (path,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    records = finished_records(path)
+    config = {item.key: json.loads(item.value_json) for r in records if r.WhichOneof("record_type") == "config"
+              for item in r.config.update}
+    assert config["msprobe.output_dir"] == str(tmp_path / "out") and config["msprobe.run_name"] == "tiny-run"
+    assert json.loads(config["msprobe.alerts"])[0]["rule"] == "non_finite"  # the monitor's config, as the run's
+    artifacts = [r.artifact for r in records if r.WhichOneof("record_type") == "artifact"]
+    assert [(a.name, a.type) for a in artifacts] == [(f"incident-step{NAN_STEP}-rank0-non_finite", "incident")]
+    assert "incident.json" in {entry.path for entry in artifacts[0].manifest.contents}
+
+
+@pytest.mark.slow  # wandb starts its service process (~5 s)
+def test_a_wandb_run_of_our_own_is_named_after_the_monitors_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    train({**_incident_config(tmp_path), "sinks": ["wandb"]})
+    _, run = history(tmp_path / "tiny-run" / "rank0")
+    assert run.display_name == "tiny-run"
+
+
+@pytest.mark.slow  # mlflow's import and file store (~5 s)
+def test_mlflow_reuses_the_active_run_filters_by_default_and_logs_incidents_as_artifacts(tmp_path, monkeypatch):
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = f"file:{tmp_path / 'mlruns'}"
+    mlflow.set_tracking_uri(uri)
+    try:
+        with mlflow.start_run(run_name="the-trainers-run") as theirs:
+            train({**_incident_config(tmp_path / "out"), "sinks": ["mlflow"]})
+            assert mlflow.active_run().info.run_id == theirs.info.run_id
+        client = MlflowClient(tracking_uri=uri)
+        (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+        assert run.info.run_id == theirs.info.run_id and run.info.run_name == "the-trainers-run"
+        assert run.data.params["msprobe.run_name"] == "tiny-run" and run.data.params["msprobe.schedule.interval"] == "1"
+        keys = set(run.data.metrics)
+        assert {"train/loss", "grad/global/norm", "actv/1/output/norm"} <= keys
+        assert "actv/1/output/max" not in keys and not any(k.startswith("optim/") for k in keys)
+        incident = f"incidents/step{NAN_STEP}-rank0-non_finite"
+        assert "incident.json" in {Path(f.path).name for f in client.list_artifacts(run.info.run_id, incident)}
+    finally:
+        mlflow.set_tracking_uri("")

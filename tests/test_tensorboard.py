@@ -55,7 +55,7 @@ def test_layout_puts_the_same_sublayer_of_every_layer_in_one_chart():
     tags = [f"grad/model.layers.{i}.mlp.down_proj.weight/norm" for i in range(layers)]
     tags += [f"actv/model.layers.{i}/output/norm" for i in range(layers)] + ["grad/lm_head.weight/norm",
                                                                            "grad/model.embed.weight/norm"]
-    layout = build_layout(tags, ["Health/loss", "Health/alert/spike"])
+    layout = build_layout(tags, ["Health/loss", "Health/open_alert/spike"])
     titles = [c.title for c in layout.category]
     assert titles == ["Health", "grad norm", "actv output norm"]
     grad = {chart.title: chart.multiline.tag[0] for chart in layout.category[1].chart}
@@ -91,8 +91,9 @@ def test_histograms_of_the_layer_norms_on_request_and_bad_keys_named(tmp_path):
     assert set(events.Tags()["histograms"]) == {"hist/actv_log10_norm", "hist/grad_log10_norm"}
     grads = events.Histograms("hist/grad_log10_norm")
     assert [h.step for h in grads] == [0, 1, 2] and all(h.histogram_value.num == 4 for h in grads)  # 4 parameters
-    heatmaps = events.Tensors("Health/heatmap/grad_norm")
-    assert [t.step for t in heatmaps] == [1, 2]  # every 2 monitored steps, and the last one at close
+    heatmaps = {tag: [t.step for t in events.Tensors(tag)] for tag in events.Tags()["tensors"] if tag.startswith("Heatmap/grad")}
+    # every 2 monitored steps, and the last one at close: a tag per window (each its own legend)
+    assert heatmaps == {"Heatmap/grad_norm/steps_0-1": [1], "Heatmap/grad_norm/steps_0-2": [2]}
     with pytest.raises(ConfigError, match=r"sinks\[0\]\.heatmap_every"):
         load_config({"sinks": [{"name": "tensorboard", "heatmap_every": -1}]})
     with pytest.raises(ConfigError, match=r"sinks\[0\]\.layer_kinds"):
@@ -109,7 +110,8 @@ def demo(tmp_path_factory):
                           timeout=300)
     assert done.returncode == 0, done.stderr
     command = re.search(r"see it in TensorBoard:\s+(.+)", done.stdout).group(1)
-    return {"out": out, "stdout": done.stdout, "stderr": done.stderr, "command": command}
+    run = Path(re.search(r"^run: (.+)$", done.stdout, re.M).group(1)).name + "/rank0"  # the label: the run's name
+    return {"out": out, "stdout": done.stdout, "stderr": done.stderr, "command": command, "run": run}
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +124,7 @@ def server(demo):
         deadline = time.monotonic() + 120
         while True:
             try:
-                if "rank0" in get(base, "/data/runs"):
+                if demo["run"] in get(base, "/data/runs"):
                     break
             except OSError:
                 pass
@@ -153,23 +155,23 @@ def test_the_demo_prints_its_run_progress_and_events(demo):
 
 
 @pytest.mark.slow
-def test_tensorboard_serves_the_overview_first_and_the_layers_compared(server):
-    assert get(server, "/data/runs") == ["rank0"]
+def test_tensorboard_serves_the_overview_first_and_the_layers_compared(server, demo):
+    assert get(server, "/data/runs") == [demo["run"]]
     listing = get(server, "/data/plugins_listing")
     assert all(listing[name]["enabled"] for name in ("scalars", "custom_scalars", "images", "text"))
-    tags = list(get(server, "/data/plugin/scalars/tags")["rank0"])
+    tags = list(get(server, "/data/plugin/scalars/tags")[demo["run"]])
     health = sorted(t for t in tags if t.startswith("Health/"))
     assert {"Health/loss", "Health/grad_norm", "Health/non_finite/actv", "Health/non_finite/grad",
-            "Health/worst_deviation", "Health/skipped", "Health/alert/non_finite", "Health/monitor_ms"} <= set(health)
+            "Health/worst_deviation", "Health/skipped", "Health/open_alert/non_finite", "Health/monitor_ms"} <= set(health)
     assert sorted(tags)[0].startswith("Health/")  # TensorBoard sorts groups by name: Health first
     per_layer = [t for t in tags if t.split("/")[0] in ("actv", "grad") and t != "grad/global/norm"]
     assert per_layer and all(t.endswith("/norm") for t in per_layer)  # layer_stats: [norm]
     assert not any(t.startswith(("optim/", "param/")) for t in tags)  # layer_kinds: [actv, grad]
 
-    alert = get(server, "/data/plugin/scalars/scalars", run="rank0", tag="Health/alert/non_finite")
+    alert = get(server, "/data/plugin/scalars/scalars", run=demo["run"], tag="Health/open_alert/non_finite")
     assert [step for _, step, _ in alert] == list(range(STEPS))  # every monitored step
     assert [step for _, step, value in alert if value == 1.0] == [INJECT_AT]
-    skipped = get(server, "/data/plugin/scalars/scalars", run="rank0", tag="Health/skipped")
+    skipped = get(server, "/data/plugin/scalars/scalars", run=demo["run"], tag="Health/skipped")
     assert [step for _, step, value in skipped if value == 1.0] == [INJECT_AT]
 
     layout = get(server, "/data/plugin/custom_scalars/layout")
@@ -182,8 +184,8 @@ def test_tensorboard_serves_the_overview_first_and_the_layers_compared(server):
 
 @pytest.mark.slow
 def test_tensorboard_shows_the_incident_and_the_heatmap(server, demo):
-    assert get(server, "/data/plugin/text/tags") == {"rank0": ["Health/incident"]}
-    [entry] = get(server, "/data/plugin/text/text", run="rank0", tag="Health/incident")
+    assert get(server, "/data/plugin/text/tags") == {demo["run"]: ["Health/incident"]}
+    [entry] = get(server, "/data/plugin/text/text", run=demo["run"], tag="Health/incident")
     text = entry["text"]
     assert entry["step"] == INJECT_AT
     incident = next(demo["out"].glob(f"*/incidents/step{INJECT_AT}-rank0-non_finite"))
@@ -191,12 +193,20 @@ def test_tensorboard_shows_the_incident_and_the_heatmap(server, demo):
                      str(incident), "Top deviations", f"actv/{LAYER}/output"):
         assert expected in text
 
-    images = get(server, "/data/plugin/images/tags")["rank0"]
-    assert set(images) == {"Health/heatmap/actv_norm", "Health/heatmap/grad_norm"}
-    shown = get(server, "/data/plugin/images/images", run="rank0", tag="Health/heatmap/actv_norm", sample="0")
-    assert [image["step"] for image in shown] == [INJECT_AT, 49, STEPS - 1]  # the incident, every 50, the end
-    pixels = decode_png(get(server, "/data/plugin/images/individualImage?" + shown[0]["query"]))
-    rows = re.findall(r"(\d+): <code>([^<]+)</code>", images["Health/heatmap/actv_norm"]["description"])
+    images = get(server, "/data/plugin/images/tags")[demo["run"]]
+    # one tag per kind and window of steps: the incident's, every 50, the end (the last heatmap_steps=100)
+    windows = [f"steps_0-{last}" for last in (INJECT_AT, 49, STEPS - 1)]
+    assert set(images) == {f"Heatmap/{kind}_norm/{window}" for kind in ("actv", "grad") for window in windows}
+    for tag, image in images.items():  # each legend is its own image's
+        first, last = map(int, tag.rsplit("_", 1)[1].split("-"))
+        assert f"Steps {first}..{last} left to right" in image["description"], (tag, image["description"])
+        assert ("Non-finite rows: <code>" in image["description"]) == (last >= INJECT_AT), tag  # the nan's window
+        [shown] = get(server, "/data/plugin/images/images", run=demo["run"], tag=tag, sample="0")
+        assert shown["step"] == last
+    tag = f"Heatmap/actv_norm/steps_0-{INJECT_AT}"
+    [shown] = get(server, "/data/plugin/images/images", run=demo["run"], tag=tag, sample="0")
+    pixels = decode_png(get(server, "/data/plugin/images/individualImage?" + shown["query"]))
+    rows = re.findall(r"(\d+): <code>([^<]+)</code>", images[tag]["description"])
     names = [name for _, name in rows]
     height, width = pixels.shape[:2]
     cell_h, cell_w = height // len(names), width // (INJECT_AT + 1)  # steps 0..40
@@ -209,7 +219,7 @@ def test_tensorboard_shows_the_incident_and_the_heatmap(server, demo):
 
 
 @pytest.mark.slow
-def test_the_landing_page_opens_on_the_health_group(server, tmp_path):
+def test_the_landing_page_opens_on_the_health_group(server, demo, tmp_path):
     assert CHROMIUM, "chromium is not on PATH (the test set-up installs Debian's chromium)"
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
              "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -218,7 +228,34 @@ def test_the_landing_page_opens_on_the_health_group(server, tmp_path):
                          timeout=180).stdout
     groups = re.findall(r'class="group-title"[^>]*title="([^"]+)"', dom)
     assert groups[0] == "Health", groups  # the first group under Pinned
+    # the cards drawn on the first screen (the rest are drawn when scrolled to), in order
+    cards = re.findall(r'class="tag"[^>]*title="(Health/[^"]+)"', dom)
+    # the first row: the alerts so far and the loss (the per-rule Health/open_alert/* sort after them)
+    assert {"Health/alerts", "Health/loss"} <= set(cards[:3]), cards
+    assert f">{demo['run']}<" in dom.replace(" ", "")  # the run is labelled with its name
     shot = tmp_path / "landing.png"
     subprocess.run([CHROMIUM, *flags, f"--screenshot={shot}", server + "/"], capture_output=True, timeout=180)
     width, height = struct.unpack(">II", shot.read_bytes()[16:24])
     assert (width, height) == (1600, 1200)
+    # a tall window draws the Heatmap group too: each card's window of steps is the step it shows
+    tall = [flag if not flag.startswith("--window-size") else "--window-size=1600,4000" for flag in flags]
+    dom = subprocess.run([CHROMIUM, *tall, "--dump-dom", server + "/"], capture_output=True, text=True,
+                         timeout=180).stdout
+    heatmaps = re.findall(r'title="Heatmap/(\w+)_norm/steps_(\d+)-(\d+)".*?Step (\d+)', dom, re.S)
+    assert sorted((kind, last) for kind, _, last, _ in heatmaps) == \
+        sorted((kind, str(last)) for kind in ("actv", "grad") for last in (INJECT_AT, 49, STEPS - 1)), heatmaps
+    assert all(first == "0" and shown == last for _, first, last, shown in heatmaps), heatmaps
+
+
+def test_tensorboard_verb_names_a_missing_logdir_in_one_line_and_leaves_the_trend_plugin_out(tmp_path, capsys):
+    from msprobe_engine.cli import main
+    from msprobe_engine.sinks.tb_server import TREND_PLUGIN, unique_plugins
+
+    assert main(["tensorboard", "--logdir", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--logdir {tmp_path / 'missing'}: no such directory" in err
+    names = [getattr(p, "plugin_name", None) for p in unique_plugins(tmp_path)]
+    assert TREND_PLUGIN not in names and names.count("graph_ascend") <= 1
+    (tmp_path / "run.trend.db").write_bytes(b"")  # the predecessor's own database: its plugin is wanted
+    with_trend = [getattr(p, "plugin_name", None) for p in unique_plugins(tmp_path)]
+    assert TREND_PLUGIN in with_trend and len(with_trend) == len(names) + 1

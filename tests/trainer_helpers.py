@@ -207,8 +207,8 @@ def ddp_rank(rank: int, world: int, out: str, trainer: str) -> dict:
 def check_ddp_agreement(results: list[dict]) -> None:
     """What `ddp_rank` returned: rank 0 alone alerted, yet both ranks skipped its step."""
     assert [r["world"] for r in results] == [2, 2]
-    assert results[0]["alerts"] == [(1, "start"), (2, "end")] and results[1]["alerts"] == []
-    assert all(r["finite"] and r["steps"] == [0, 1, 2] for r in results)  # rank 1 skipped the step too
+    assert results[0]["alerts"] == [(2, "start"), (3, "end")] and results[1]["alerts"] == []
+    assert all(r["finite"] and r["steps"] == [1, 2, 3] for r in results)  # rank 1 skipped the step too
     assert results[0]["checksum"] == results[1]["checksum"]
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 BLOCK = 32 * 1024
@@ -41,12 +42,23 @@ def read_records(path: Path) -> list:
     return records
 
 
+def finished_records(path: Path, patience_s: float = 60.0) -> list:
+    """The records of a finished run's log: W&B's service process may still be writing it when
+    `finish()` returns (seen after `log_artifact`), so it is read again until its `exit` record."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        records = read_records(path)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
 def history(run_dir: Path) -> tuple[list[dict], object]:
     """(the logged rows: key -> value, with `_step`), and the run record (name, project, tags)
     of the one offline run under `run_dir`."""
     (path,) = Path(run_dir).glob("wandb/offline-run-*/run-*.wandb")
     rows, run = [], None
-    for record in read_records(path):
+    for record in finished_records(path):
         kind = record.WhichOneof("record_type")
         if kind == "history":
             rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)

@@ -20,6 +20,7 @@ from typing import Any, Union
 
 import yaml
 
+from msprobe_engine.config import shipped
 from msprobe_engine.errors import ConfigError
 from msprobe_engine.fields import INT_LIMIT
 from msprobe_engine.config.legacy import LEGACY_KEYS, translate_legacy
@@ -50,15 +51,17 @@ ConfigSource = Union[str, Path, dict, MonitorConfig, None]
 
 
 def load_config(source: ConfigSource = None) -> MonitorConfig:
-    """Build a validated config from a path (.json/.yaml/.yml), a dict, or None (defaults)."""
+    """Build a validated config from a path (.json/.yaml/.yml), a shipped config's name
+    (`msprobe_engine.config.shipped`: "full", "minimal", "grads_optimizer", ...), a dict, or None
+    (defaults)."""
     if isinstance(source, MonitorConfig):
         return source
     if source is None:
         return MonitorConfig()
     if isinstance(source, dict):
         return from_dict(source)
-    if isinstance(source, (str, Path)):
-        return from_dict(read_file(Path(source)), origin=str(source))
+    if isinstance(source, (str, Path)):  # a path, or a shipped config's name ("full")
+        return from_dict(read_file(shipped.resolve(source)), origin=str(source))
     raise ConfigError(f"config: expected a path, a dict or a MonitorConfig, got {type(source).__name__}")
 
 

@@ -12,7 +12,7 @@ import fnmatch
 import importlib.util
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from msprobe_engine.errors import ConfigError
 from msprobe_engine.records import StepRecord
@@ -25,6 +25,8 @@ class Sink:
     name: ClassVar[str]
     #: where the run's incidents go (`create_sinks` sets it), for sinks that show them
     incidents_dir: Path | None = None
+    #: the monitor's whole config (a dataclass; `create_sinks` sets it), for sinks that log it
+    monitor_config: Any = None
     #: optional packages this sink imports (checked when a config selects it)
     requires: ClassVar[tuple[str, ...]] = ()
 
@@ -79,10 +81,13 @@ SINKS: Registry[type[Sink]] = Registry("sink", "msprobe_engine.sinks.builtin")
 register_sink = SINKS.register
 
 
-def create_sinks(configs: list[Sink.Config], run_dir: Path, incidents_dir: Path | None = None) -> list[Sink]:
+def create_sinks(configs: list[Sink.Config], run_dir: Path, incidents_dir: Path | None = None,
+                 monitor_config: Any = None) -> list[Sink]:
     """The configured sinks writing under `run_dir` (e.g. <output_dir>/<run>/rank0), told
-    where the run's incidents go; no file is touched until their `open` runs on the writer thread."""
+    where the run's incidents go and the monitor's config; no file is touched until their
+    `open` runs on the writer thread."""
     sinks = [SINKS.get(config.name)(config, run_dir) for config in configs]
     for sink in sinks:
         sink.incidents_dir = incidents_dir
+        sink.monitor_config = monitor_config
     return sinks

@@ -43,13 +43,16 @@ def layer_pattern(path: str) -> str | None:
 
 
 def build_layout(tags: Iterable[str], health: Iterable[str]) -> layout_pb2.Layout:
-    """A `Health` category (non-finite counts, alerts, loss and gradient norm), then one
+    """A `Health` category (loss and gradient norm, alerts so far, learning rate, throughput,
+    memory, non-finite counts, open alerts, skipped steps, the worst deviation), then one
     category per kind, role and statistic (closed, but for the gradient norm)."""
     health = list(health)
     categories = [layout_pb2.Category(title="Health", chart=[
         _chart(title, [rf"^Health/{pattern}$"]) for title, pattern in
-        (("loss and gradient norm", "(loss|grad_norm)"), ("non-finite elements by kind", r"non_finite/.*"),
-         ("alerts (1: an episode is open)", r"alert/.*"), ("skipped steps", "skipped"),
+        (("loss and gradient norm", "(loss|grad_norm)"), ("alerts so far (episodes started)", "alerts"),
+         ("learning rate", "lr"), ("throughput (per second)", "(tokens|samples)_per_s"),
+         ("memory (MiB)", r"memory/.*"), ("non-finite elements by kind", r"non_finite/.*"),
+         ("alerts (1: an episode is open)", r"open_alert/.*"), ("skipped steps", "skipped"),
          ("worst deviation from the running average", "worst_deviation"))
         if any(re.match(rf"^Health/{pattern}$", tag) for tag in health)])]
     groups: dict[tuple[str, str, str], dict[str, list[str]]] = {}

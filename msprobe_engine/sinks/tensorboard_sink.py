@@ -4,7 +4,7 @@ Per monitored step: every `Health/*` and `train/*` scalar, the global gradient n
 the per-layer tags of the kinds in `layer_kinds` with the statistics in `layer_stats`
 (they compare across layers in the custom-scalars layout, written with the first step and
 again when new tags appear). Every `heatmap_every` steps and at each incident: heatmaps of the activation and
-gradient norms (`Health/heatmap/*`, layers x steps); at the incident's step: the incident
+gradient norms (`Heatmap/<kind>_norm/steps_<first>-<last>`, layers x steps); at the incident's step: the incident
 as markdown (`Health/incident`); on request, histograms of the per-layer norms.
 Everything runs on the writer thread (docs/tensorboard.md).
 """
@@ -22,14 +22,14 @@ from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
 from tensorboard.plugins.image import metadata as image_metadata
 from tensorboard.plugins.text import metadata as text_metadata
 
-from msprobe_engine.fields import at_least, choices
+from msprobe_engine.fields import at_least
 from msprobe_engine.records import StepRecord
 from msprobe_engine.sinks.base import Sink, register_sink
 from msprobe_engine.sinks.heatmap import NormHistory, enlarge, heatmap_rgb, legend, log_bins, png
+from msprobe_engine.sinks.layer_filter import LayerChoice, LayerFilter
 from msprobe_engine.sinks.tb_incident import incident_directory, incident_markdown, read_incident
-from msprobe_engine.sinks.tb_layout import DT_STRING, LAYER_KINDS, build_layout, layout_value, parse_tag
+from msprobe_engine.sinks.tb_layout import DT_STRING, build_layout, layout_value, parse_tag
 from msprobe_engine.sinks.tb_records import EventFile, ScalarBlock
-from msprobe_engine.stats import STATISTICS
 
 #: heatmaps and histograms: the kind of the norms they show -> the role of those rows
 PICTURED = {"actv": "output", "grad": ""}
@@ -43,14 +43,12 @@ class TensorBoardSink(Sink):
     """Scalars, a custom-scalars layout, heatmaps, incidents and optional histograms."""
 
     @dataclass(kw_only=True, slots=True)
-    class Config(Sink.Config):
+    class Config(LayerChoice):
         """`layer_kinds`, `layer_stats`: the per-layer rows and statistics written as scalars
-        (every statistic of every row stays in metrics.jsonl); `layout`: the custom-scalars layout;
+        (every statistic of every row stays in metrics.jsonl; `layer_filter.py`); `layout`: the custom-scalars layout;
         `heatmap_every`: steps between heatmaps (0: only at incidents), `heatmap_steps`:
         how many of the last monitored steps they show; `histograms`: per-layer norm
         histograms each step; `incidents`: the incident text at its step."""
-        layer_kinds: list[str] = field(default_factory=lambda: ["actv", "grad"], metadata=choices(*LAYER_KINDS))
-        layer_stats: list[str] = field(default_factory=lambda: ["norm"], metadata={"choices": STATISTICS})
         layout: bool = True
         heatmap_every: int = field(default=50, metadata=at_least(0))
         heatmap_steps: int = field(default=100, metadata=at_least(2))
@@ -61,7 +59,7 @@ class TensorBoardSink(Sink):
 
     def __init__(self, config: "TensorBoardSink.Config", run_dir: Path) -> None:
         super().__init__(config, run_dir)
-        self._kept: dict[str, bool] = {}  # tag -> written as a scalar
+        self._keeps = LayerFilter(config)  # tag -> written as a scalar
         self._seen: set[str] = set()  # every tag of the records so far (the layout is of those kept)
         self._pictured: dict[str, tuple[str, str]] = {}  # tag -> (kind, row) in the heatmaps
         self._history = {kind: NormHistory(config.heatmap_steps) for kind in PICTURED}
@@ -119,16 +117,6 @@ class TensorBoardSink(Sink):
             self._add(self._last_step, None, self._heatmaps())
         self._writer.close()
 
-    # ---- scalars --------------------------------------------------------------------------
-    def _keeps(self, tag: str) -> bool:
-        """Every tag but the per-layer ones outside `layer_kinds` and `layer_stats`."""
-        kept = self._kept.get(tag)
-        if kept is None:
-            parts = parse_tag(tag)
-            kept = self._kept[tag] = parts is None or (parts.kind in self.config.layer_kinds and (
-                parts.stat in self.config.layer_stats or parts.stat not in STATISTICS))
-        return kept
-
     # ---- pictures -------------------------------------------------------------------------
     def _norms(self, metrics: dict[str, float]) -> dict[str, dict[str, float]]:
         """The norms of the rows shown in heatmaps: {kind: {row name: norm}}."""
@@ -149,8 +137,10 @@ class TensorBoardSink(Sink):
             height, width = rgb.shape[:2]
             tensor = TensorProto(dtype=DT_STRING, string_val=[str(width).encode(), str(height).encode(), png(rgb)],
                                  tensor_shape=TensorShapeProto(dim=[TensorShapeProto.Dim(size=3)]))
-            meta = image_metadata.create_summary_metadata(f"{kind} norms, layers x steps", legend(history, norms))
-            values.append(Summary.Value(tag=f"Health/heatmap/{kind}_norm", metadata=meta, tensor=tensor))
+            first, last = history.steps()
+            meta = image_metadata.create_summary_metadata(f"{kind} norms, layers x steps {first}..{last}",
+                                                          legend(history, norms))
+            values.append(Summary.Value(tag=heatmap_tag(kind, first, last), metadata=meta, tensor=tensor))
         return values
 
     def _histograms(self, norms: dict[str, dict[str, float]]) -> list[Summary.Value]:
@@ -185,6 +175,14 @@ class TensorBoardSink(Sink):
             summary = scalars + Summary(value=values).SerializeToString()
             self._writer.add_event(Event(step=step, wall_time=time.time() if wall_time is None else wall_time),
                                    summary)
+
+
+def heatmap_tag(kind: str, first: int, last: int) -> str:
+    """A heatmap's tag: one per kind and window of steps, so that each image keeps its own legend
+    (TensorBoard shows a tag's first description for all its images), in a group of their own
+    after `Health` (whose cards, loss first, fill the first screen). Before, one tag per kind:
+    ``Health/heatmap/<kind>_norm``."""
+    return f"Heatmap/{kind}_norm/steps_{first}-{last}"
 
 
 def _picture_row(tag: str) -> tuple[str, str] | None:

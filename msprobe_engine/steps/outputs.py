@@ -25,7 +25,7 @@ def open_outputs(config: MonitorConfig, rank: int, writes: bool | None) -> Outpu
         writes = rank == 0 or config.per_rank
     writes = writes and bool(config.sinks)
     run = open_run_dir(config.output_dir, config.run_name, config.resume, rank, writes, config.incidents.dir)
-    sinks = create_sinks(config.sinks, run.rank_dir, run.incidents) if writes else []
+    sinks = create_sinks(config.sinks, run.rank_dir, run.incidents, config) if writes else []
     writer = BackgroundWriter(config.writer.queue_size, config.writer.when_full, strict=config.strict)
     for sink in sinks:
         writer.submit(sink.open, f"{sink.name} sink open")

@@ -20,12 +20,17 @@ tensors in float64 throughout; nan and inf counted by a second loop only when th
 of squares is not finite (a finite one proves there is none). On x86-64 the loops are compiled for
 AVX-512, AVX2 and the baseline and picked at load time by what the CPU has.
 
-Building: on first use the C file is compiled with the system's C compiler (``$CC``, else
-``cc``; -O3, no fast-math) into a cache folder (``$MSPROBE_CACHE_DIR``, else
-``$XDG_CACHE_HOME/msprobe_engine`` or ``~/.cache/msprobe_engine``), named by a hash of the
-source, the flags and the machine architecture; later runs load it (and need no compiler). `prepare()` builds it ahead
-(the torch framework does so when a monitor attaches), so the training thread does not wait on a
-compiler in its first monitored step.
+Building: at install time (setup.py builds `cpu_reduce.c` into the package as the plain shared
+library `_cpu_reduce*.so`, with the same flags; `pip install`, also `pip install -e`), and it is
+loaded from the package only: no compiler is needed where the package is installed. A checkout
+used without installing (PYTHONPATH) has no library; there the kernel is built at run time only
+when asked (``MSPROBE_CPU_KERNEL=build``): compiled with ``$CC`` (else ``cc``) into a cache folder
+(``$MSPROBE_CACHE_DIR``, else ``$XDG_CACHE_HOME/msprobe_engine`` or ``~/.cache/msprobe_engine``)
+that must be the user's own and writable by nobody else, under a file lock (ranks starting
+together compile once), named by a hash of the source, the flags, the machine architecture and
+the compiler's identity (its resolved path and ``--version``). `prepare()` loads (or builds) it
+ahead (the torch framework does so when a monitor attaches), so the training thread does not
+wait in its first monitored step.
 
 Selection: `backend.partial_stats` calls `measure` for CPU tensors; it returns None (the torch
 path measures everything) when ``MSPROBE_CPU_KERNEL=0`` is set or `ENABLED` is False, or when
@@ -41,12 +46,15 @@ from __future__ import annotations
 
 import array
 import ctypes
+import fcntl
 import functools
 import hashlib
+import importlib.machinery
 import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -65,60 +73,105 @@ DTYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 
 PARALLEL_NUMEL = 1 << 20
 #: Tensor types whose `data_ptr` is their values (a subclass such as a DTensor wraps its data elsewhere).
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-#: Environment switch: ``MSPROBE_CPU_KERNEL=0`` (or ``off``/``false``/``no``) keeps the torch path.
+#: Environment switch: ``MSPROBE_CPU_KERNEL=0`` (or ``off``/``false``/``no``) keeps the torch path;
+#: ``build`` compiles the kernel at run time into the cache instead of loading the package's.
 ENV = "MSPROBE_CPU_KERNEL"
+#: The library setup.py builds into the package (an extension name, no Python API inside).
+PACKAGED = "_cpu_reduce"
 
-#: False turns the kernel off for this process (set by hand, or after it could not be built).
-ENABLED = os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+_MODE = os.environ.get(ENV, "1").strip().lower()
+#: False turns the kernel off for this process (set by hand, or after it could not be loaded).
+ENABLED = _MODE not in ("0", "off", "false", "no")
 #: Why the kernel is not in use (None while it is, or has not been tried).
 disabled_reason: Optional[str] = None if ENABLED else f"{ENV}={os.environ.get(ENV)}"
 
 
+def packaged() -> Optional[Path]:
+    """The library built into the package at install time, or None (a checkout not installed)."""
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = SOURCE.with_name(PACKAGED + suffix)
+        if path.is_file():
+            return path
+    return None
+
+
 def cache_dir() -> Path:
-    """Where the built library is kept."""
+    """Where a library built at run time (``MSPROBE_CPU_KERNEL=build``) is kept."""
     if os.environ.get("MSPROBE_CACHE_DIR"):
         return Path(os.environ["MSPROBE_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "msprobe_engine"
 
 
+def _compiler() -> tuple[str, bytes]:
+    """The C compiler's resolved path and its identity (path and ``--version``), for the cache key."""
+    name = os.environ.get("CC") or "cc"
+    found = shutil.which(name)
+    if found is None:
+        raise RuntimeError(f"no C compiler {name!r} on PATH (set CC) to build {SOURCE.name}")
+    path = os.path.realpath(found)
+    version = subprocess.run([path, "--version"], capture_output=True, timeout=60).stdout
+    return path, path.encode() + b"\0" + version
+
+
+def _private(folder: Path) -> None:
+    """Refuse a cache folder that someone else owns or may write into (they could plant code)."""
+    info = folder.stat()
+    if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise RuntimeError(f"the kernel cache {folder} is not private (owned by uid {info.st_uid}, mode "
+                           f"{stat.filemode(info.st_mode)}): make it the user's own, not writable by others")
+
+
 def _build() -> Path:
-    """The library in the cache, compiled first if it is not there (once per source, flags and
-    machine architecture: a later run needs no compiler)."""
-    key = b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), platform.machine().encode()])
-    target = cache_dir() / f"cpu_reduce-{hashlib.sha256(key).hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    compiler = os.environ.get("CC") or "cc"
-    if shutil.which(compiler) is None:
-        raise RuntimeError(f"no C compiler {compiler!r} on PATH (set CC) to build {SOURCE.name}")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then renamed: ranks may race
-        built = Path(tmp) / target.name
-        proc = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)],
-                              capture_output=True, text=True, timeout=300)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{compiler} failed on {SOURCE.name}: {proc.stderr.strip()[-2000:]}")
-        os.replace(built, target)
+    """The library in the cache, compiled first if it is not there (once per source, flags,
+    machine architecture and compiler; under a lock, so ranks starting together compile once)."""
+    compiler, identity = _compiler()
+    key = b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), platform.machine().encode(), identity])
+    folder = cache_dir()
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _private(folder)
+    target = folder / f"cpu_reduce-{hashlib.sha256(key).hexdigest()[:16]}.so"
+    with open(folder / f"{target.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if target.exists():
+            return target
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:  # built aside, then renamed
+            built = Path(tmp) / target.name
+            proc = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)],
+                                  capture_output=True, text=True, timeout=300)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{compiler} failed on {SOURCE.name}: {proc.stderr.strip()[-2000:]}")
+            os.replace(built, target)
     return target
+
+
+def _library() -> Path:
+    """The package's library, or the one built at run time when ``MSPROBE_CPU_KERNEL=build``."""
+    if _MODE == "build":
+        return _build()
+    found = packaged()
+    if found is None:
+        raise RuntimeError(f"{PACKAGED} was not built into the package (install it with pip, which compiles "
+                           f"it, or set {ENV}=build to compile it at run time)")
+    return found
 
 
 @functools.lru_cache(maxsize=None)
 def _entry():
-    """The C function `msprobe_cpu_rows`, built and loaded on first use."""
-    function = ctypes.CDLL(str(_build())).msprobe_cpu_rows
+    """The C function `msprobe_cpu_rows`, loaded (or built) on first use."""
+    function = ctypes.CDLL(str(_library())).msprobe_cpu_rows
     function.restype = None
     function.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p]
     return function
 
 
 def available() -> bool:
-    """Whether the kernel may be used now: enabled, built and loaded (building it if needed)."""
+    """Whether the kernel may be used now: enabled and loaded (built first with ``build``)."""
     if not ENABLED:
         return False
     try:
         _entry()
-    except Exception as exc:  # no compiler, a compile error, a library that does not load
+    except Exception as exc:  # not packaged, no compiler, a compile error, a library that does not load
         _disable(f"the C kernel is unavailable ({type(exc).__name__}: {exc})")
         return False
     return True

@@ -1,0 +1,189 @@
+"""What the HF Trainer's and Lightning's adapters share: the step's losses, the decision before
+the trainer's optimizer step (`skip` sets the gradients aside, `stop` is returned for the
+trainer's own way of ending), what follows the step (`train/skipped`, parameters and optimizer
+state), and the run's voice inside the trainer: alerts printed above the progress bar, the run
+directory said once, the count of alerts so far for the trainer's own logs."""
+from __future__ import annotations
+
+import logging
+import resource
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+from msprobe_engine.contract import Integration
+from msprobe_engine.frameworks.torch.optimizer_hooks import SKIPPED, restore_grads
+from msprobe_engine.monitor import Monitor
+from msprobe_engine.records import StepRecord
+from msprobe_engine.stats.table import MetricKey
+from msprobe_integrations.trainer_hooks import decide
+
+#: the key under which the trainers' own logs get the number of alerts so far
+ALERTS_KEY = "msprobe/alerts"
+#: the learning rate of the step (the first parameter group's), also shown as Health/lr
+LR = MetricKey("train", "lr")
+#: the step's throughput (since the previous step's end) and the memory at its end (Health/ shows them)
+TOKENS_PER_S, SAMPLES_PER_S = MetricKey("train", "tokens_per_s"), MetricKey("train", "samples_per_s")
+CPU_RSS_MB, DEVICE_MB = MetricKey("train", "cpu_rss_mb"), MetricKey("train", "device_mem_mb")
+
+
+class TrainerAdapter(Integration):
+    """A `Monitor` driven by a trainer's callback (HF Trainer, Lightning). Subclasses set
+    `reads` (the `OptimizerHooks` of the model, or None) and call `keep_loss`,
+    `decide_step` and `finish_step`."""
+
+    def __init__(self, monitor: Monitor, ranks: int) -> None:
+        super().__init__(monitor)
+        self.ranks = ranks
+        self.reads: Any = None
+        #: a `stop` rule fired: the trainer ends after this step
+        self.stopped = False
+        self._losses: list[torch.Tensor] = []
+        self._held: list = []
+        self._samples = self._tokens = 0  # counted since the previous step's end
+        self._step_ended: float | None = None  # perf_counter at the previous step's end
+
+    def keep_loss(self, loss: Any) -> None:
+        """One micro-batch's loss (a tensor), kept on the device until the decision."""
+        if self.monitor.active and isinstance(loss, torch.Tensor):
+            self._losses.append(loss.detach().reshape(()))
+
+    def count_batch(self, batch: Any) -> None:
+        """A micro-batch's size, from shapes only (no sync): samples, the first dimension of its
+        `input_ids` (else of its first tensor); tokens, the elements of its `input_ids`."""
+        ids = batch.get("input_ids") if isinstance(batch, dict) else None
+        first = ids if isinstance(ids, torch.Tensor) else _first_tensor(batch)
+        if first is not None and first.dim() > 0:
+            self._samples += first.shape[0]
+        if isinstance(ids, torch.Tensor):
+            self._tokens += ids.numel()
+
+    def report_losses(self, combine: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """The step's loss: `combine` of the kept micro-batch losses (stacked)."""
+        losses, self._losses = self._losses, []
+        if self.monitor.active and losses:
+            with self.monitor.guard("loss"):
+                self.monitor.report_loss(combine(torch.stack(losses)))
+
+    def decide_step(self, optimizer: Any) -> bool:
+        """The decision before the trainer's optimizer step (the gradients are read by then).
+        True: a `stop` rule fired (the step is then skipped too)."""
+        stop, self._held = decide(self.monitor, self.ranks, optimizer)
+        self.stopped = self.stopped or stop
+        return stop
+
+    def finish_step(self, optimizer: Any) -> bool:
+        """After the trainer's optimizer step: the gradients back, `train/skipped`, what the
+        step changed, the learning rate (`train/lr`), the throughput and memory. After a `stop`, nothing more is measured or closed (as when
+        `TrainingStopped` propagates: `close` writes the stopping step); returns False then."""
+        skipped = bool(self._held)
+        restore_grads(self._held)
+        self._held = []
+        if self.stopped:
+            return False
+        monitor = self.monitor
+        if monitor.active:
+            with monitor.guard("optimizer post-step"):
+                keys, values = [SKIPPED], [monitor.backend.scalar(1.0 if skipped else 0.0)]
+                lr = _learning_rate(optimizer)
+                measured = {LR: lr, **self._throughput(), **_memory()}
+                for key, value in measured.items():
+                    if value is not None:
+                        keys.append(key)
+                        values.append(monitor.backend.scalar(value))
+                monitor.add_tensors(keys, values)
+        self._step_ended = time.perf_counter()
+        self._samples = self._tokens = 0
+        if self.reads is not None and optimizer is not None:
+            self.reads.after_step(optimizer)
+        monitor.after_optimizer_step()
+        return True
+
+
+    def _throughput(self) -> dict[MetricKey, float | None]:
+        """Samples and tokens per second since the previous step's end (none for the first step)."""
+        if self._step_ended is None:
+            return {}
+        seconds = max(time.perf_counter() - self._step_ended, 1e-9)
+        return {SAMPLES_PER_S: self._samples / seconds if self._samples else None,
+                TOKENS_PER_S: self._tokens / seconds if self._tokens else None}
+
+
+def _first_tensor(batch: Any) -> torch.Tensor | None:
+    if isinstance(batch, torch.Tensor):
+        return batch
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    return next((item for item in items if isinstance(item, torch.Tensor)), None)
+
+
+def _memory() -> dict[MetricKey, float | None]:
+    """The process's peak resident memory and the device memory torch holds, in MiB: counters
+    read on the host (no sync)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    device = torch.cuda.memory_allocated() / 2 ** 20 if torch.cuda.is_initialized() else None
+    return {CPU_RSS_MB: rss, DEVICE_MB: device}
+
+
+def _learning_rate(optimizer: Any) -> float | None:
+    """The first parameter group's learning rate (the schedulers' value for this step), or None."""
+    groups = getattr(optimizer, "param_groups", None)
+    lr = groups[0].get("lr") if groups else None
+    return float(lr) if isinstance(lr, (int, float)) or (isinstance(lr, torch.Tensor) and lr.numel() == 1) else None
+
+
+class AlertCount:
+    """The number of alert episodes a monitor has started so far (for the trainer's logs,
+    under `ALERTS_KEY`): a cumulative count, so a one-step alert stays visible."""
+
+    def __init__(self, monitor: Any) -> None:
+        self.total = 0
+        monitor.step_end_listeners.append(self._add)
+
+    def _add(self, record: StepRecord) -> None:
+        self.total += sum(event.phase == "start" for event in record.alerts)
+
+
+class ProgressBarHandler(logging.Handler):
+    """Writes the monitor's messages with `tqdm.write`, above the trainer's progress bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm.auto import tqdm
+
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # a logging handler never raises into the training
+            self.handleError(record)
+
+
+def speak_through_progress_bar() -> ProgressBarHandler | None:
+    """While a trainer runs: the monitor's warnings and alerts go through `tqdm.write` (not
+    into the middle of the progress bar) when nothing else handles them (logging's last
+    resort would print them raw). Returns the handler to remove, or None."""
+    logger = logging.getLogger("msprobe_engine")
+    if logger.hasHandlers():  # the user configured logging: theirs
+        return None
+    handler = ProgressBarHandler(logging.WARNING)
+    logger.addHandler(handler)
+    return handler
+
+
+def quiet(handler: ProgressBarHandler | None) -> None:
+    """Remove the handler `speak_through_progress_bar` added."""
+    if handler is not None:
+        logging.getLogger("msprobe_engine").removeHandler(handler)
+
+
+def announce(monitor: Monitor) -> None:
+    """Say once, on the writing rank (its run directory exists), where the run is written and
+    the command that shows it."""
+    if monitor.run_dir.is_dir():
+        message = (f"msprobe: writing the run to {monitor.run.root} "
+                   f"(view it: msprobe-engine tensorboard --logdir {monitor.config.output_dir})")
+        try:
+            from tqdm.auto import tqdm
+
+            tqdm.write(message, file=sys.stderr)
+        except ImportError:
+            print(message, file=sys.stderr)

@@ -1,0 +1,88 @@
+"""The trainer callbacks (HF Trainer, Lightning) as the trainers' own: a config problem raised
+when the callback is built, a shipped config by name, `train/skipped` and `Health/skipped`
+under `action: skip`, the alert count in the trainers' logs, the run directory said once, the
+alerts printed through the progress bar's `tqdm.write`."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from msprobe_engine.config import ConfigError
+from tests.trainer_helpers import GAS, action_config, hf_run, lightning_run
+
+pytestmark = pytest.mark.slow  # the real Trainers (a few seconds each)
+
+
+def _skip_config(tmp_path):
+    return action_config(tmp_path, "skip", sinks=["jsonl", "tensorboard"], run_name="demo")
+
+
+@pytest.mark.parametrize("trainer", ["hf", "lightning"])
+def test_a_config_problem_is_raised_when_the_callback_is_built(trainer, tmp_path):
+    if trainer == "hf":
+        from msprobe_integrations.hf import MonitorCallback
+    else:
+        from msprobe_integrations.lightning import MonitorCallback
+    with pytest.raises(ConfigError, match="fulll: config file not found.*did you mean 'full'.*grads_optimizer"):
+        MonitorCallback(config="fulll")
+    with pytest.raises(ConfigError, match="schedule.interval: 0 is below the minimum"):
+        MonitorCallback(config={"schedule": {"interval": 0}})
+    assert MonitorCallback(config="full").config == "full"
+
+
+def test_hf_skip_is_recorded_alerts_reach_log_history_and_the_run_is_announced_once(tmp_path, capfd):
+    callback, trainer = hf_run(tmp_path, _skip_config(tmp_path), faults={1}, logging_steps=1)
+    records = list(callback.monitor.history)
+    assert [r.metrics["train/skipped"] for r in records] == [0.0, 1.0, 0.0]
+    assert [r.metrics["Health/skipped"] for r in records] == [0.0, 1.0, 0.0]
+    assert [r.metrics["Health/alerts"] for r in records] == [0.0, 1.0, 1.0]  # cumulative: the one-step alert stays
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert [r.step for r in records] == [entry["step"] for entry in logged] == [1, 2, 3]  # HF's global_step
+    assert [r.metrics["Health/lr"] for r in records] == pytest.approx([e["learning_rate"] for e in logged])
+    # throughput from the second step on (since the previous step's end): 2 micro-batches of 2 rows of 16 tokens
+    assert "Health/tokens_per_s" not in records[0].metrics
+    rates = [(r.metrics["Health/tokens_per_s"], r.metrics["Health/samples_per_s"]) for r in records[1:]]
+    assert all(tokens == pytest.approx(16 * samples) and samples > 0 for tokens, samples in rates), rates
+    assert all(r.metrics["Health/memory/cpu_rss_mb"] > 10 for r in records)  # the peak RSS of this process
+    # counted once the step's record is written (here during the next step: read a step late)
+    assert [entry["msprobe/alerts"] for entry in logged] == [0, 0, 1]
+    err = capfd.readouterr().err
+    assert err.count("msprobe: writing the run to") == 1
+    assert f"{tmp_path / 'demo'}" in err and f"msprobe-engine tensorboard --logdir {tmp_path}" in err
+
+
+def test_lightning_skip_is_recorded_and_alerts_reach_callback_metrics(tmp_path, capfd):
+    import lightning.pytorch as pl
+
+    seen = []  # trainer.global_step after each optimizer step (the batch that ends one)
+
+    class GlobalStep(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx % GAS == GAS - 1:
+                seen.append(trainer.global_step)
+
+    callback, trainer = lightning_run(tmp_path, _skip_config(tmp_path), faults={1}, callbacks=[GlobalStep()])
+    records = list(callback.monitor.history)
+    assert [r.step for r in records] == seen == [1, 2, 3]
+    assert [r.metrics["train/skipped"] for r in records] == [0.0, 1.0, 0.0]
+    assert [r.metrics["Health/skipped"] for r in records] == [0.0, 1.0, 0.0]
+    assert float(trainer.callback_metrics["msprobe/alerts"]) == 1.0
+    assert [r.metrics["Health/alerts"] for r in records] == [0.0, 1.0, 1.0]
+    assert [r.metrics["train/lr"] for r in records] == [1e-3] * 3
+    assert all(r.metrics["Health/tokens_per_s"] > 0 and r.metrics["Health/samples_per_s"] > 0 for r in records[1:])
+    assert capfd.readouterr().err.count("msprobe: writing the run to") == 1
+
+
+def test_alerts_go_through_tqdm_write_while_the_trainer_runs_and_not_after(tmp_path, monkeypatch):
+    from tqdm.auto import tqdm
+
+    written = []
+    monkeypatch.setattr(tqdm, "write", classmethod(lambda cls, s, file=None, **kw: written.append(s)))
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # pytest's log capture: as if logging were not set up
+    logger = logging.getLogger("msprobe_engine")
+    assert not logger.hasHandlers()
+    hf_run(tmp_path, _skip_config(tmp_path), faults={1})
+    assert any(line.startswith("msprobe alert non_finite start at step 2") for line in written), written
+    assert any(line.startswith("msprobe: writing the run to") for line in written)
+    assert not logger.handlers  # removed at the end of training
