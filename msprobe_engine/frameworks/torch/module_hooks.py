@@ -33,6 +33,7 @@ from msprobe_engine.collect.selection import ModuleFilter
 from msprobe_engine.frameworks.torch.compiled_hooks import CompiledCapture, clean_path, unwrap
 from msprobe_engine.frameworks.torch.flow import TensorFlow
 from msprobe_engine.incident.graph import INPUT_GRAD_KIND
+from msprobe_engine.stats import optional_columns
 from msprobe_engine.stats.table import MetricKey
 
 if TYPE_CHECKING:
@@ -80,7 +81,7 @@ class ModuleHooks:
         names = [(clean_path(name), module) for name, module in inner.named_modules()
                  if not isinstance(module, compiled_wrappers)]
         self.compiled = CompiledCapture(monitor, len(names), _device_of(inner),
-                                        "zero_frac" in monitor.config.stats)
+                                        "zero_count" in optional_columns(monitor.config.stats))
         for name, module in names:
             path = rename(name)
             if graph is not None:
