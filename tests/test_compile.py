@@ -134,6 +134,26 @@ def test_every_shipped_config_compiles_with_fullgraph_and_no_recompilation(tmp_p
     assert len(monitor.history) == 4 and "grad/blocks.0.fc1.weight/norm" in monitor.history[-1].metrics
 
 
+def test_a_monitor_attached_after_the_first_compiled_call_says_that_its_hooks_do_not_run(tmp_path, caplog):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    forward = torch.compile(model, fullgraph=True)
+    forward(torch.randn(8, 16)).backward()  # compiled (and cached) without the hooks
+    monitor = TorchMonitor(model, opt, {**EVERYTHING, "output_dir": str(tmp_path), "strict": False})
+    with caplog.at_level("WARNING", logger="msprobe_engine"):
+        for _ in range(2):
+            opt.zero_grad()
+            loss = forward(torch.randn(8, 16))
+            loss.backward()
+            opt.step()
+            monitor.step_end(loss)
+    monitor.close()
+    assert "actv/blocks.0.fc1/output/norm" not in monitor.history[-1].metrics
+    assert sum("keeps the graph it compiled without the hooks" in r.message for r in caplog.records) == 1
+
+
 def test_names_of_compiled_parts():
     model = Net()
     model.blocks[0] = torch.compile(model.blocks[0])

@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import math
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -40,6 +40,11 @@ ROWS_PER_MODULE = 8
 #: the kinds of gradient rows: written during backward, reported in backward order
 GRAD_KINDS = ("actv_grad",)
 
+#: the warning of a step where no watched module's hook ran, eagerly or in a graph
+STALE_GRAPH = ("no watched module's hook ran in this step. A model compiled and run before the monitor was "
+               "attached keeps the graph it compiled without the hooks: attach the monitor before the first "
+               "call of the compiled model (or call torch._dynamo.reset() after attaching it)")
+
 _CAPTURES: "weakref.WeakValueDictionary[int, CompiledCapture]" = weakref.WeakValueDictionary()
 _BY_MONITOR: "weakref.WeakKeyDictionary[Any, list[CompiledCapture]]" = weakref.WeakKeyDictionary()
 _ids = itertools.count()
@@ -47,13 +52,13 @@ _ids = itertools.count()
 
 def compiled_parts(model: torch.nn.Module) -> bool:
     """Whether `model` is, or holds, a `torch.compile`d module."""
-    return any(_is_compiled_wrapper(m) or getattr(m, "_compiled_call_impl", None) is not None
+    return any(is_compiled_wrapper(m) or getattr(m, "_compiled_call_impl", None) is not None
                for m in model.modules())
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The module a `torch.compile(model)` wrapper (an OptimizedModule) compiles; else `model`."""
-    return model._orig_mod if _is_compiled_wrapper(model) else model
+    return model._orig_mod if is_compiled_wrapper(model) else model
 
 
 def clean_path(name: str) -> str:
@@ -62,7 +67,8 @@ def clean_path(name: str) -> str:
     return ".".join(part for part in name.split(".") if part != "_orig_mod")
 
 
-def _is_compiled_wrapper(module: torch.nn.Module) -> bool:
+def is_compiled_wrapper(module: torch.nn.Module) -> bool:
+    """Whether `module` is what `torch.compile(module)` returns (an OptimizedModule)."""
     return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
 
 
@@ -120,8 +126,12 @@ class _GradTap(torch.autograd.Function):
 class CompiledCapture:
     """The device buffer the traced hooks of one monitor write into, and its row names."""
 
-    def __init__(self, monitor: "Monitor", modules: int, device: torch.device, count_zeros: bool) -> None:
+    def __init__(self, monitor: "Monitor", modules: int, device: torch.device, count_zeros: bool,
+                 ran_eagerly: Callable[[], bool] | None = None) -> None:
+        """`modules`: how many are watched (the buffer's size); `ran_eagerly()`: whether a hook
+        ran on the eager path in the step (None: nothing is watched)."""
         self.monitor = monitor
+        self.ran_eagerly = ran_eagerly
         self.count_zeros = count_zeros
         self.ident = next(_ids)
         self.slots: dict[MetricKey, int] = {}
@@ -161,7 +171,11 @@ class CompiledCapture:
         """Hand this step's rows to the monitor (one device copy) and reset the buffer; forward
         rows in the order they were traced, gradient rows in backward (reversed) order."""
         monitor = self.monitor
-        if not self.slots or self._harvested == monitor.step:
+        if not self.slots:
+            if self.ran_eagerly is not None and not self.ran_eagerly():
+                monitor.warn(STALE_GRAPH)
+            return
+        if self._harvested == monitor.step:
             return
         self._harvested = monitor.step
         forward = [(k, i) for k, i in self.slots.items() if k.kind not in GRAD_KINDS]

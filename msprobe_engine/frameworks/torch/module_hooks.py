@@ -30,7 +30,7 @@ import torch
 
 from msprobe_engine.collect.flatten import iter_tensors
 from msprobe_engine.collect.selection import ModuleFilter
-from msprobe_engine.frameworks.torch.compiled_hooks import CompiledCapture, clean_path, unwrap
+from msprobe_engine.frameworks.torch.compiled_hooks import CompiledCapture, clean_path, is_compiled_wrapper, unwrap
 from msprobe_engine.frameworks.torch.flow import TensorFlow
 from msprobe_engine.incident.graph import INPUT_GRAD_KIND
 from msprobe_engine.stats import optional_columns
@@ -77,11 +77,8 @@ class ModuleHooks:
             return
         wanted = ModuleFilter(monitor.config.modules)
         inner = unwrap(model)
-        compiled_wrappers = (torch._dynamo.eval_frame.OptimizedModule,)
         names = [(clean_path(name), module) for name, module in inner.named_modules()
-                 if not isinstance(module, compiled_wrappers)]
-        self.compiled = CompiledCapture(monitor, len(names), _device_of(inner),
-                                        "zero_count" in optional_columns(monitor.config.stats))
+                 if not is_compiled_wrapper(module)]
         for name, module in names:
             path = rename(name)
             if graph is not None:
@@ -92,6 +89,9 @@ class ModuleHooks:
                 self.paths.append(path)
                 self.handles.append(module.register_forward_hook(self._make_hook(path), with_kwargs=True))
         monitor.warn_unmatched("modules.names", wanted.unmatched_names({rename(n) for n, _ in names}))
+        self.compiled = CompiledCapture(monitor, len(names), _device_of(inner),
+                                        "zero_count" in optional_columns(monitor.config.stats),
+                                        ran_eagerly=(lambda: bool(self.calls or self.recomputed)) if self.paths else None)
 
     def remove(self) -> None:
         for handle in self.handles:
