@@ -91,7 +91,11 @@ class ModuleHooks:
         monitor.warn_unmatched("modules.names", wanted.unmatched_names({rename(n) for n, _ in names}))
         self.compiled = CompiledCapture(monitor, len(names), _device_of(inner),
                                         "zero_count" in optional_columns(monitor.config.stats),
-                                        ran_eagerly=(lambda: bool(self.calls or self.recomputed)) if self.paths else None)
+                                        ran_eagerly=self._ran_eagerly if self.paths else None)
+
+    def _ran_eagerly(self) -> bool:
+        """Whether a hook ran on the eager path in the current micro-step."""
+        return bool(self.calls or self.recomputed)
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -186,7 +190,6 @@ class ModuleHooks:
                     monitor.hook_failed(where, exc)
 
         return grad_hook
-
 
 
 def _map_tensors(value, role: str, fn: Callable[[str, torch.Tensor], torch.Tensor]):
