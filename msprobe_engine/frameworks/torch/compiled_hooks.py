@@ -3,8 +3,10 @@
 When Dynamo traces a watched module (`torch.compiler.is_compiling()` is true in its hook),
 the hook does not take the eager path (Python state, clocks, the call graph); it computes
 each tensor's partial row with tensor ops and merges it, in place, into the row of its name
-in one preallocated device buffer of the monitor (`CompiledCapture.buffer`). The buffer is an
-input of the graph, so the write survives functionalization as an input mutation and runs at
+in the monitor's preallocated device rows (`CompiledCapture.buffer`, one tensor per name: a graph
+saves the rows its gradient taps write, and a shared tensor written by another graph in the
+meantime, in a model with graph breaks of its own, would fail autograd's version check). A row is
+an input of the graph, so the write survives functionalization as an input mutation and runs at
 every call of the compiled code; inductor fuses the reductions with the producing kernels.
 Activation gradients go the same way through `_GradTap`, an identity autograd function whose
 backward (traced into the compiled backward graph) writes the gradient's row.
@@ -124,7 +126,7 @@ class _GradTap(torch.autograd.Function):
 
 
 class CompiledCapture:
-    """The device buffer the traced hooks of one monitor write into, and its row names."""
+    """The device rows the traced hooks of one monitor write into, and their names."""
 
     def __init__(self, monitor: "Monitor", modules: int, device: torch.device, count_zeros: bool,
                  ran_eagerly: Callable[[], bool] | None = None) -> None:
@@ -136,9 +138,9 @@ class CompiledCapture:
         self.ident = next(_ids)
         self.slots: dict[MetricKey, int] = {}
         self.capacity = max(1, modules) * ROWS_PER_MODULE
-        self._empty = torch.tensor(EMPTY_ROW, dtype=torch.float64, device=device).expand(self.capacity, N_COLUMNS)
-        #: the rows written by the compiled code in this step (one per name, `slots`)
-        self.buffer = self._empty.clone()
+        self._empty = torch.tensor(EMPTY_ROW, dtype=torch.float64, device=device)
+        #: the row of each name (`slots`) written by the compiled code in this step
+        self.buffer = [self._empty.clone() for _ in range(self.capacity)]
         self._harvested = -1
         _CAPTURES[self.ident] = self
         _BY_MONITOR.setdefault(monitor, []).append(self)
@@ -181,8 +183,7 @@ class CompiledCapture:
         forward = [(k, i) for k, i in self.slots.items() if k.kind not in GRAD_KINDS]
         backward = [(k, i) for k, i in reversed(self.slots.items()) if k.kind in GRAD_KINDS]
         order = forward + backward
-        index = torch.tensor([i for _, i in order], device=self.buffer.device)
-        rows = self.buffer.index_select(0, index)
-        self.buffer.copy_(self._empty)
+        rows = torch.stack([self.buffer[i] for _, i in order])
+        torch._foreach_copy_(self.buffer, [self._empty] * len(self.buffer))
         keys = [k for k, _ in order]
         monitor.rows.add(monitor.step, keys, rows, remember=False, seconds=0.0, measured=len(keys))
