@@ -64,7 +64,7 @@ $(VENV)/.all: $(VENV)/.core
 	touch $@
 
 # The 3.12 lane runs the repository from its checkout (tests/conftest.py puts it on sys.path):
-# the package's own `numpy<2` pin is for the 3.11 environment (MindSpore, the predecessor).
+# the 3.11 environment keeps numpy 1 (MindSpore 2.10 and the predecessor need it).
 # megatron-bridge without its dependencies (they need CUDA builds): its callback module, for
 # tests/test_megatron_bridge.py.
 $(VENV312)/.ready: constraints-py312.txt

@@ -1,6 +1,7 @@
 """Models for the overhead suite, none of them written for the tool: a small LM in the
 predecessor's style (nn.MultiheadAttention blocks), and transformers' GPT-2 and Llama from
-random-init configs (no download), each in a small (~1M) and a medium (~20M) size.
+random-init configs (no download), each in a small (~1M) and a medium (~20M) size; beside
+them transformers' ResNet (a CNN with BatchNorm) and Mixtral (a mixture-of-experts decoder), ~1M.
 
 `build(name)` returns the model and a function that runs its forward on a fixed batch and
 returns the loss. Dropout is off, so that every mode of a run trains the very same way.
@@ -73,6 +74,28 @@ def _hf(kind: str, medium: bool) -> tuple[nn.Module, Forward]:
     return model, lambda: model(input_ids=tokens, labels=tokens).loss
 
 
+def _resnet() -> tuple[nn.Module, Forward]:
+    import transformers
+
+    config = transformers.ResNetConfig(embedding_size=32, hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 1, 1],
+                                       layer_type="basic", num_labels=10)
+    model = transformers.ResNetForImageClassification(config)
+    images = torch.randn(8, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(2))
+    return model, lambda: model(pixel_values=images, labels=labels).loss
+
+
+def _mixtral() -> tuple[nn.Module, Forward]:
+    import transformers
+
+    config = transformers.MixtralConfig(vocab_size=1024, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+                                        num_experts_per_tok=2, max_position_embeddings=32)
+    model = transformers.MixtralForCausalLM(config)
+    tokens = _tokens(1024, 8, 32)
+    return model, lambda: model(input_ids=tokens, labels=tokens).loss
+
+
 def _small_lm() -> tuple[nn.Module, Forward]:
     model = SmallLM()
     tokens, targets = _tokens(512, 8, 32), _tokens(512, 8, 32).roll(1, 1)
@@ -85,6 +108,8 @@ BUILDERS: dict[str, Callable[[], tuple[nn.Module, Forward]]] = {
     "llama-1m": lambda: _hf("llama", False),
     "gpt2-20m": lambda: _hf("gpt2", True),
     "llama-20m": lambda: _hf("llama", True),
+    "resnet-1m": _resnet,
+    "mixtral-1m": _mixtral,
 }
 
 

@@ -13,7 +13,12 @@ Printed: one table per model, then, as the LAST line, one JSON object:
 "share_of_predecessor": {config: (ours - 1) / (pred - 1)}}, "load": [1, 5, 15 min]}``.
 
     OMP_NUM_THREADS=1 python bench/suite.py [--quick] [--models small_lm gpt2-1m ...]
-        [--steps N] [--warmup N]
+        [--steps N] [--warmup N] [--compiled]
+
+`--compiled`: every model compiled in place (`model.compile()`, inductor), one process per
+mode (a second instance in a process would reuse the first one's graphs), a `none` process beside
+each config's; ratio = ours over that `none` (not interleaved: noisier under load); the graph breaks and graphs of the process are reported too
+(docs/compile.md). The predecessor and the floors are not run compiled.
 """
 from __future__ import annotations
 
@@ -51,8 +56,9 @@ def groups(model: str) -> list[list[str]]:
     return runs
 
 
-def worker(model_name: str, modes: list[str], steps: int, warmup: int) -> dict[str, float]:
-    """Median step time (s) of each mode, all trained side by side in this process."""
+def worker(model_name: str, modes: list[str], steps: int, warmup: int, compiled: bool = False) -> dict[str, float]:
+    """Median step time (s) of each mode, all trained side by side in this process (`compiled`:
+    each model compiled in place; then also the process's graph breaks and graphs)."""
     import logging
 
     import torch
@@ -67,6 +73,8 @@ def worker(model_name: str, modes: list[str], steps: int, warmup: int) -> dict[s
     runs = {}
     for name in modes:
         model, forward = build(model_name)
+        if compiled:
+            model.compile()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
         def step(forward=forward, optimizer=optimizer):
@@ -76,6 +84,14 @@ def worker(model_name: str, modes: list[str], steps: int, warmup: int) -> dict[s
             optimizer.step()
             return loss
         runs[name] = (mode_lib.make(name, model, optimizer, out), step, [])
+    compiles = {}
+    if compiled:  # one untimed step of each mode alone first: the graphs and breaks each compiles to
+        counters = torch._dynamo.utils.counters
+        for name, (mode, step, _) in runs.items():
+            before = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+            mode.run(step)
+            compiles[f"{name}:graph_breaks"] = sum(counters["graph_break"].values()) - before[0]
+            compiles[f"{name}:graphs"] = counters["stats"]["unique_graphs"] - before[1]
     for i in range(warmup + steps):
         shift = i % len(modes)
         for name in modes[shift:] + modes[:shift]:
@@ -86,12 +102,13 @@ def worker(model_name: str, modes: list[str], steps: int, warmup: int) -> dict[s
                 times.append(time.perf_counter() - start)
     for mode, _, _ in runs.values():
         mode.close()
-    return {name: statistics.median(times) for name, (_, _, times) in runs.items()}
+    medians = {name: statistics.median(times) for name, (_, _, times) in runs.items()}
+    return {**medians, **compiles}
 
 
-def run_group(model: str, modes: list[str], steps: int, warmup: int) -> dict[str, float]:
+def run_group(model: str, modes: list[str], steps: int, warmup: int, compiled: bool = False) -> dict[str, float]:
     cmd = [sys.executable, __file__, "--worker", model, "--modes", ",".join(modes),
-           "--steps", str(steps), "--warmup", str(warmup)]
+           "--steps", str(steps), "--warmup", str(warmup)] + (["--compiled"] if compiled else [])
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{model} {modes}: exit {done.returncode}\n{done.stderr[-3000:]}")
@@ -121,23 +138,49 @@ def summarise(model: str, medians: list[dict[str, float]]) -> dict:
     return result
 
 
+def summarise_compiled(model: str, medians: list[dict[str, float]]) -> dict:
+    """Compiled: each config's ratio over its own process's compiled `none`, with the graph breaks
+    and graphs of the first step of each (without the tool / with ours)."""
+    result = {}
+    first = medians[0]
+    print(f"== {model} compiled: no tool {first['none'] * 1e3:.1f} ms/step, "
+          f"{first['none:graph_breaks']} graph breaks, {first['none:graphs']} graphs")
+    for config, group in zip(CONFIGS, medians):
+        ours = f"ours_{config}"
+        ratio = round(group[ours] / group["none"], 3)
+        result[config] = {"ratio": ratio, "graph_breaks": group[f"{ours}:graph_breaks"],
+                          "graphs": group[f"{ours}:graphs"], "graph_breaks_none": group["none:graph_breaks"],
+                          "graphs_none": group["none:graphs"]}
+        print(f"  {config:16s} ours {ratio:6.3f}  graph breaks {group[f'{ours}:graph_breaks']}  "
+              f"graphs {group[f'{ours}:graphs']}")
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small models only, few steps (a correctness run)")
     parser.add_argument("--models", nargs="+", help=f"default: {' '.join(SMALL + MEDIUM)}")
     parser.add_argument("--steps", type=int, help="timed rounds (default 20 small, 8 medium; quick 4)")
     parser.add_argument("--warmup", type=int, help="untimed rounds first (default 3; quick 1)")
+    parser.add_argument("--compiled", action="store_true", help="the models compiled (inductor), ours against none")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--modes", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.modes.split(","), args.steps, args.warmup)))
+        print(json.dumps(worker(args.worker, args.modes.split(","), args.steps, args.warmup, args.compiled)))
         return
     models = args.models or (SMALL if args.quick else SMALL + MEDIUM)
     report = {}
     for model in models:
         steps = args.steps or (4 if args.quick else 8 if model in MEDIUM else 20)
         warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+        if args.compiled:
+            # one process per mode: a second model instance in a process reuses the graphs compiled for the
+            # first (Dynamo does not guard on module hooks), so ours would run in none's graph, unhooked
+            medians = [{**run_group(model, ["none"], steps, warmup, True),
+                        **run_group(model, [f"ours_{c}"], steps, warmup, True)} for c in CONFIGS]
+            report[model] = summarise_compiled(model, medians)
+            continue
         medians = [run_group(model, modes, steps, warmup) for modes in groups(model)]
         report[model] = summarise(model, medians)
     report["load"] = [round(x, 2) for x in os.getloadavg()]

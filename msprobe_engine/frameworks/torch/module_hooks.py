@@ -15,6 +15,11 @@ output, a parent returning its child's output) is not reduced again: its row rep
 the earlier one (`torch_flow.TensorFlow`). When incidents are on, the hooks also note
 in the monitor's `CallGraph` which rows measured each call's inputs: inputs no earlier
 row measured are measured once, as are (with activation gradients) their gradients.
+
+Under `torch.compile` (the hook traced by Dynamo) a hook takes the traced path of
+`compiled_hooks` instead: tensor ops writing into the monitor's device buffer, nothing else.
+A `torch.compile(model)` wrapper given here is unwrapped (its root pre-hook stays on the
+wrapper, outside the graph), and the `_orig_mod` parts of compiled submodules' paths dropped.
 """
 from __future__ import annotations
 
@@ -25,9 +30,11 @@ import torch
 
 from msprobe_engine.collect.flatten import iter_tensors
 from msprobe_engine.collect.selection import ModuleFilter
+from msprobe_engine.frameworks.torch.compiled_hooks import CompiledCapture, clean_path, is_compiled_wrapper, unwrap
 from msprobe_engine.frameworks.torch.flow import TensorFlow
 from msprobe_engine.handles import Handles
 from msprobe_engine.incident.graph import INPUT_GRAD_KIND
+from msprobe_engine.stats import optional_columns
 from msprobe_engine.stats.table import MetricKey
 
 if TYPE_CHECKING:
@@ -70,7 +77,10 @@ class ModuleHooks(Handles):
         if not (self.inputs or self.outputs or self.grads):
             return
         wanted = ModuleFilter(monitor.config.modules)
-        for name, module in model.named_modules():
+        inner = unwrap(model)
+        names = [(clean_path(name), module) for name, module in inner.named_modules()
+                 if not is_compiled_wrapper(module)]
+        for name, module in names:
             path = rename(name)
             if graph is not None:
                 graph.classes[path] = type(module).__name__
@@ -79,12 +89,18 @@ class ModuleHooks(Handles):
             if wanted(path, type(module).__name__):
                 self.paths.append(path)
                 self.handles.append(module.register_forward_hook(self._make_hook(path), with_kwargs=True))
-        monitor.warn_unmatched("modules.names", wanted.unmatched_names(
-            {rename(n) for n, _ in model.named_modules()}))
+        monitor.warn_unmatched("modules.names", wanted.unmatched_names({rename(n) for n, _ in names}))
+        self.compiled = CompiledCapture(monitor, len(names), _device_of(inner),
+                                        "zero_count" in optional_columns(monitor.config.stats),
+                                        ran_eagerly=self._ran_eagerly if self.paths else None)
+
+    def _ran_eagerly(self) -> bool:
+        """Whether a hook ran on the eager path in the current micro-step."""
+        return bool(self.calls or self.recomputed)
 
     def _root_pre_hook(self, module, args) -> None:
-        if in_backward():
-            return
+        if torch.compiler.is_compiling() or in_backward():
+            return  # compiled: micro-steps are counted only from a compiled wrapper's own (eager) pre-hook
         self.calls.clear()
         self.recomputed.clear()
         if self.flow is not None:
@@ -98,6 +114,8 @@ class ModuleHooks(Handles):
         names = [path]  # the name of each call in a micro-step: path, path:1, ... (made once)
 
         def hook(module, args, kwargs, output):
+            if torch.compiler.is_compiling():
+                return self._traced(path, args, kwargs, output) if monitor.active else None
             if not monitor.active or where in monitor.disabled:
                 return
             try:
@@ -112,6 +130,21 @@ class ModuleHooks(Handles):
                 monitor.hook_failed(where, exc)
 
         return hook
+
+    def _traced(self, path: str, args, kwargs, output):
+        """The hook's body inside a compiled graph: rows into the device buffer; with activation
+        gradients, the output returned through the gradient taps."""
+        compiled = self.compiled
+        if self.inputs:
+            for role, t in iter_tensors(dict([*enumerate(args), *kwargs.items()]), "input", _is_tensor):
+                compiled.record("actv", path, role, t)
+        if self.outputs:
+            for role, t in iter_tensors(output, "output", _is_tensor):
+                compiled.record("actv", path, role, t)
+        if not self.grads:
+            return None
+        return _map_tensors(output, "output", lambda role, t: compiled.tap("actv_grad", path, role, t)
+                            if t.requires_grad else t)
 
     def _collect(self, name: str, args, kwargs, output, recompute: bool) -> None:
         found = list(iter_tensors(output, "output", _is_tensor))
@@ -154,3 +187,18 @@ class ModuleHooks(Handles):
 
         return grad_hook
 
+
+def _map_tensors(value, role: str, fn: Callable[[str, torch.Tensor], torch.Tensor]):
+    """`value` with each tensor t in it (named as `iter_tensors` names it) replaced by fn(role, t)."""
+    if _is_tensor(value):
+        return fn(role, value)
+    if type(value) in (tuple, list):  # other containers (named tuples, model outputs) stay as they are
+        return type(value)(_map_tensors(item, f"{role}.{i}", fn) for i, item in enumerate(value))
+    if type(value) is dict:
+        return {key: _map_tensors(item, f"{role}.{key}", fn) for key, item in value.items()}
+    return value
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    first = next(iter(model.parameters()), None)
+    return first.device if first is not None else torch.device("cpu")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Iterable
 
 import torch
 
+from msprobe_engine.frameworks.torch import compiled_hooks
 from msprobe_engine.handles import Handles
 from msprobe_engine.stats.table import MetricKey
 
@@ -57,7 +58,7 @@ class OptimizerHooks(Handles):
         self.monitor = monitor
         self.read_grads = read_grads
         watch = monitor.config.watch
-        self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [(compiled_hooks.clean_path(n), p) for n, p in model.named_parameters() if p.requires_grad]
         self.states = [s for s in watch.optimizer_state if s in ("exp_avg", "exp_avg_sq")]
         self.update = any(s in ("update", "ratio") for s in watch.optimizer_state)
         self._before: list[torch.Tensor] | None = None
@@ -95,11 +96,14 @@ class OptimizerHooks(Handles):
         monitor.after_optimizer_step()
 
     def before_step(self) -> None:
-        """What is read just before the optimizer step: the gradients (unless `read_grads` is
-        off) and, for `update`/`ratio`, a copy of the parameters."""
+        """What is read just before the optimizer step: the rows compiled code wrote in this step
+        (`compiled_hooks.harvest`), the gradients (unless `read_grads` is off) and, for
+        `update`/`ratio`, a copy of the parameters."""
         monitor = self.monitor
         if monitor.active:
             with monitor.guard("optimizer pre-step hook"):
+                if not monitor.replaying:
+                    compiled_hooks.harvest(monitor)
                 if monitor.config.watch.param_grads and self.read_grads:
                     grads = [(n, p.grad) for n, p in self.params if p.grad is not None]
                     monitor.add_tensors([MetricKey("grad", n) for n, _ in grads], [g for _, g in grads])

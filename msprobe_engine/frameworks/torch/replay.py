@@ -3,7 +3,9 @@
 RNG state: torch's CPU generator, every generator of the current accelerator (when one is
 initialised), Python's `random` and numpy's global generator. Gradients of the models'
 parameters are set aside during the replay and module buffers (e.g. BatchNorm running
-statistics) saved and copied back, so the replay leaves no trace in the training. The
+statistics) saved and copied back, so the replay leaves no trace in the training. Compiled
+code runs eagerly during a replay (`torch.compiler.set_stance("force_eager")`, no recompilation),
+so the replay's hooks name the culprit as in an eager run. The
 tensor dump is a `PrecisionDebugger` tensor session of the replayed step.
 """
 from __future__ import annotations
@@ -58,12 +60,14 @@ class TorchReplayHost:
 
     @contextlib.contextmanager
     def isolated(self) -> Iterator[None]:
-        """Gradients reset to None and buffers saved; afterwards both are as they were."""
+        """Gradients reset to None and buffers saved; afterwards both are as they were. Compiled
+        code runs eagerly meanwhile."""
         params = [p for model in self.models for p in model.parameters()]
         held = set_aside_grads(params)
         buffers = [(b, b.detach().clone()) for model in self.models for b in model.buffers()]
         try:
-            yield
+            with torch.compiler.set_stance("force_eager"):
+                yield
         finally:
             with torch.no_grad():
                 for buffer, saved in buffers:

@@ -1,0 +1,189 @@
+"""Statistics measured inside a `torch.compile`d graph, with no graph break and no recompilation.
+
+When Dynamo traces a watched module (`torch.compiler.is_compiling()` is true in its hook),
+the hook does not take the eager path (Python state, clocks, the call graph); it computes
+each tensor's partial row with tensor ops and merges it, in place, into the row of its name
+in the monitor's preallocated device rows (`CompiledCapture.buffer`, one tensor per name: a graph
+saves the rows its gradient taps write, and a shared tensor written by another graph in the
+meantime, in a model with graph breaks of its own, would fail autograd's version check). A row is
+an input of the graph, so the write survives functionalization as an input mutation and runs at
+every call of the compiled code; inductor fuses the reductions with the producing kernels.
+Activation gradients go the same way through `_GradTap`, an identity autograd function whose
+backward (traced into the compiled backward graph) writes the gradient's row.
+
+Which row a name owns is decided once, while tracing (`_slot`, a constant of the graph), so
+nothing Python-side runs at run time. Outside the graph, once a step (the optimizer's pre-step
+hook, `harvest`), the rows written are copied out of the buffer as one block of the step's
+rows, and the buffer is reset. Names, rules, timing and the one host transfer stay outside.
+The graph reads one Python value, `Monitor.active` (guarded): a monitored step and an
+unmonitored one use two graphs, no more.
+
+Under compile, a module called several times in a step has one row (its calls merged), and
+inputs are rows only when `watch.module_inputs` is on (no hidden input rows for incidents).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import weakref
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from msprobe_engine.stats.columns import EMPTY_ROW, MAX_COLUMNS, MIN_COLUMNS, N_COLUMNS, SUM_COLUMNS
+from msprobe_engine.stats.table import MetricKey
+
+if TYPE_CHECKING:
+    from msprobe_engine.monitor import Monitor
+
+#: rows of the buffer per watched module (its outputs, inputs and their gradients); names
+#: beyond the buffer's rows are not measured under compile (a warning says so)
+ROWS_PER_MODULE = 8
+#: the kinds of gradient rows: written during backward, reported in backward order
+GRAD_KINDS = ("actv_grad",)
+
+#: the warning of a step where no watched module's hook ran, eagerly or in a graph
+STALE_GRAPH = ("no watched module's hook ran in this step. A model compiled and run before the monitor was "
+               "attached keeps the graph it compiled without the hooks: attach the monitor before the first "
+               "call of the compiled model (or call torch._dynamo.reset() after attaching it)")
+
+_CAPTURES: "weakref.WeakValueDictionary[int, CompiledCapture]" = weakref.WeakValueDictionary()
+_BY_MONITOR: "weakref.WeakKeyDictionary[Any, list[CompiledCapture]]" = weakref.WeakKeyDictionary()
+_ids = itertools.count()
+
+
+def compiled_parts(model: torch.nn.Module) -> bool:
+    """Whether `model` is, or holds, a `torch.compile`d module."""
+    return any(is_compiled_wrapper(m) or getattr(m, "_compiled_call_impl", None) is not None
+               for m in model.modules())
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module a `torch.compile(model)` wrapper (an OptimizedModule) compiles; else `model`."""
+    return model._orig_mod if is_compiled_wrapper(model) else model
+
+
+def clean_path(name: str) -> str:
+    """A module or parameter path with the compile wrappers' `_orig_mod` parts taken out, so
+    that it reads as in the uncompiled model (`layers.0._orig_mod.fc1` -> `layers.0.fc1`)."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
+def is_compiled_wrapper(module: torch.nn.Module) -> bool:
+    """Whether `module` is what `torch.compile(module)` returns (an OptimizedModule)."""
+    return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
+
+
+def harvest(monitor: "Monitor") -> None:
+    """Hand the rows the compiled code wrote in this step, for every model of `monitor`, to it
+    (`CompiledCapture.harvest`); nothing when no graph was traced."""
+    for capture in _BY_MONITOR.get(monitor, ()):
+        capture.harvest()
+
+
+@torch.compiler.assume_constant_result
+def _slot(capture: int, kind: str, path: str, role: str) -> int:
+    """The buffer row of a name (-1: the buffer is full). Runs while tracing only: its result
+    is a constant of the graph."""
+    return _CAPTURES[capture].slot(MetricKey(kind, path, role))
+
+
+def partial_row(tensor: torch.Tensor, count_zeros: bool) -> torch.Tensor:
+    """The partial-statistics row (`stats.PARTIAL_COLUMNS`) of `tensor`, float64, with tensor ops
+    only (traceable). Floating tensors of 32 bits or fewer are reduced in float32; the zero count
+    is nan unless `count_zeros`."""
+    x = tensor.detach()
+    x = x.double() if x.dtype == torch.float64 or not x.is_floating_point() else x.float()
+    nan = torch.isnan(x).sum()
+    zeros = (x == 0).sum().to(x.dtype) if count_zeros else torch.full((), math.nan, dtype=x.dtype, device=x.device)
+    numel = torch.scalar_tensor(x.numel(), dtype=x.dtype, device=x.device)
+    return torch.stack([x.amin(), x.amax(), x.sum(), (x * x).sum(), nan.to(x.dtype),
+                        torch.isinf(x).sum().to(x.dtype), zeros, numel]).double()
+
+
+def merge_into(target: torch.Tensor, row: torch.Tensor) -> None:
+    """Merge `row` into the buffer row `target`, in place (min, max, sums as the columns say)."""
+    merged = target + row
+    merged[MIN_COLUMNS] = torch.minimum(target[MIN_COLUMNS], row[MIN_COLUMNS])
+    merged[MAX_COLUMNS] = torch.maximum(target[MAX_COLUMNS], row[MAX_COLUMNS])
+    target.copy_(merged)
+
+
+class _GradTap(torch.autograd.Function):
+    """Identity on `x` whose backward merges the gradient's row into `target` (a buffer row)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, target: torch.Tensor, count_zeros: bool) -> torch.Tensor:
+        ctx.save_for_backward(target)
+        ctx.count_zeros = count_zeros
+        return x.clone()  # a new tensor (autograd functions may not return their input); exact
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (target,) = ctx.saved_tensors
+        merge_into(target, partial_row(grad, ctx.count_zeros))
+        return grad, None, None
+
+
+class CompiledCapture:
+    """The device rows the traced hooks of one monitor write into, and their names."""
+
+    def __init__(self, monitor: "Monitor", modules: int, device: torch.device, count_zeros: bool,
+                 ran_eagerly: Callable[[], bool] | None = None) -> None:
+        """`modules`: how many are watched (the buffer's size); `ran_eagerly()`: whether a hook
+        ran on the eager path in the step (None: nothing is watched)."""
+        self.monitor = monitor
+        self.ran_eagerly = ran_eagerly
+        self.count_zeros = count_zeros
+        self.ident = next(_ids)
+        self.slots: dict[MetricKey, int] = {}
+        self.capacity = max(1, modules) * ROWS_PER_MODULE
+        self._empty = torch.tensor(EMPTY_ROW, dtype=torch.float64, device=device)
+        #: the row of each name (`slots`) written by the compiled code in this step
+        self.buffer = [self._empty.clone() for _ in range(self.capacity)]
+        self._harvested = -1
+        _CAPTURES[self.ident] = self
+        _BY_MONITOR.setdefault(monitor, []).append(self)
+
+    def slot(self, key: MetricKey) -> int:
+        """The row of `key` (allocated at first sight, while tracing)."""
+        if key not in self.slots:
+            if len(self.slots) >= self.capacity:
+                self.monitor.warn(f"under torch.compile at most {self.capacity} rows are measured; "
+                                  f"{key.path} ({key.role}) is not")
+                return -1
+            self.slots[key] = len(self.slots)
+        return self.slots[key]
+
+    # ---- traced (inside the compiled graph) ----------------------------------------
+    def record(self, kind: str, path: str, role: str, tensor: torch.Tensor) -> None:
+        i = _slot(self.ident, kind, path, role)
+        if i >= 0:
+            merge_into(self.buffer[i], partial_row(tensor, self.count_zeros))
+
+    def tap(self, kind: str, path: str, role: str, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor`, through an identity whose backward measures its gradient."""
+        i = _slot(self.ident, kind, path, role)
+        if i < 0:
+            return tensor
+        return _GradTap.apply(tensor, self.buffer[i], self.count_zeros)
+
+    # ---- outside the graph, once a step --------------------------------------------
+    def harvest(self) -> None:
+        """Hand this step's rows to the monitor (one device copy) and reset the buffer; forward
+        rows in the order they were traced, gradient rows in backward (reversed) order."""
+        monitor = self.monitor
+        if not self.slots:
+            if self.ran_eagerly is not None and not self.ran_eagerly():
+                monitor.warn(STALE_GRAPH)
+            return
+        if self._harvested == monitor.step:
+            return
+        self._harvested = monitor.step
+        forward = [(k, i) for k, i in self.slots.items() if k.kind not in GRAD_KINDS]
+        backward = [(k, i) for k, i in reversed(self.slots.items()) if k.kind in GRAD_KINDS]
+        order = forward + backward
+        rows = torch.stack([self.buffer[i] for _, i in order])
+        torch._foreach_copy_(self.buffer, [self._empty] * len(self.buffer))
+        keys = [k for k, _ in order]
+        monitor.rows.add(monitor.step, keys, rows, remember=False, seconds=0.0, measured=len(keys))
