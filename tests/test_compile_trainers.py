@@ -40,7 +40,7 @@ def test_lightning_with_a_compiled_module(tmp_path):
     # item of docs/compile.md (the goal is none; the trainer_helpers fault hooks recompile too)
     assert breaks == plain_counts[0] and graphs <= plain_counts[1] + 1
     records = list(callback.monitor.history)
-    assert [r.step for r in records] == [0, 1, 2]
+    assert [r.step for r in records] == [1, 2, 3]  # the trainer's global_step after each optimizer step
     norms = [r.metrics[f"actv/{LIT_LAYER}/output/norm"] for r in records]
     assert len(set(norms)) == 3
     assert not [t for t in records[0].metrics if "_orig_mod" in t]
