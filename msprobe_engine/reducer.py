@@ -21,6 +21,12 @@ class Reducer:
         same keys in the same order on every rank; one collective per group."""
         raise NotImplementedError
 
+    def spread(self) -> Any:
+        """After `merge`: the spread of the per-rank scalars over the data-parallel group
+        (`stats.ranks`) as rows of kind `ranks.KIND` in `ranks.NAMES` order, on the device, which
+        travel with the merged rows; None where the reducer finds none."""
+        return None
+
     def agree(self, decision: "StepDecision") -> "StepDecision":
         """The skip/stop decision, the same on every rank (called on every rank when a rule can
         skip or stop). By default the rules saw the same merged rows on every rank: as it is."""

@@ -10,14 +10,20 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
 from msprobe_engine.stats import empty_rows
-from msprobe_engine.stats.columns import builtin_row
+from msprobe_engine.stats import ranks as rank_stats
+from msprobe_engine.stats.columns import P_SUM, builtin_row
 from msprobe_engine.stats.table import MetricKey, StatTable
 
+if TYPE_CHECKING:
+    from msprobe_engine.reducer import Reducer
+
+#: the rows of the per-rank spread a reducer adds (`stats.ranks`: stripped off into `StatTable.ranks`)
+RANK_KEYS = [MetricKey(rank_stats.KIND, name) for name in rank_stats.NAMES]
 #: the monitor's own cost, one row each in the step's table (docs/overhead.md)
 METER_KEYS = [MetricKey("monitor", "overhead_ms"), MetricKey("monitor", "host_syncs"),
               MetricKey("monitor", "tensors")]
@@ -68,7 +74,7 @@ class StepRows:
                 kept.append((at, [keys[i] for i in keep], backend.concat([rows])[keep]))
         self.pending = kept
 
-    def transfer(self, step: int, backend: Any, reducer: Callable | None, *, reduce: bool, merge: bool,
+    def transfer(self, step: int, backend: Any, reducer: "Reducer | None", *, reduce: bool, merge: bool,
                  late: Callable[[Any], bool] | None) -> dict[int, StatTable]:
         """The one device-to-host copy: every waiting row, grouped by step (a table for `step`
         always). `reduce`: a real step's transfer (it reads a copy left running and meters the
@@ -91,9 +97,15 @@ class StepRows:
             return tables
         keys = [k for _, ks, _ in pending for k in ks]
         rows = backend.concat([r for _, _, r in pending])
+        spread = None
         if merge and reducer is not None:
-            rows = reducer(keys, rows)
+            rows = reducer.merge(keys, rows)
+            spread = reducer.spread()
         steps = np.repeat([s for s, ks, _ in pending], [len(ks) for _, ks, _ in pending])
+        if spread is not None:  # travels with the rows, to this transfer's last step
+            rows = backend.concat([rows, spread])
+            keys += RANK_KEYS
+            steps = np.concatenate([steps, [steps[-1]] * len(RANK_KEYS)])
         read_late = late is not None and late(rows)
         if read_late:
             copy = backend.start_copy(rows)
@@ -116,8 +128,10 @@ class StepRows:
             return tables
         for at, table in _tables_by_step(keys, steps, np.concatenate([host, meter])).items():
             if at in tables:
+                ranks = table.ranks or tables[at].ranks
                 table = StatTable.from_rows(tables[at].keys + table.keys,
                                             np.concatenate([tables[at].partials, table.partials]))
+                table.ranks = ranks
             tables[at] = table
         tables.setdefault(step, StatTable([], empty_rows()))
         return tables
@@ -136,4 +150,15 @@ def _tables_by_step(keys: list[MetricKey], steps: np.ndarray, host: np.ndarray) 
         keys, steps, host = [keys[i] for i in order], steps[order], host[order]
     bounds = np.flatnonzero(np.diff(steps)) + 1
     starts, ends = [0, *bounds.tolist()], [*bounds.tolist(), len(steps)]
-    return {int(steps[a]): StatTable.from_rows(keys[a:b], host[a:b]) for a, b in zip(starts, ends)}
+    return {int(steps[a]): _with_ranks(keys[a:b], host[a:b]) for a, b in zip(starts, ends)}
+
+
+def _with_ranks(keys: list[MetricKey], host: np.ndarray) -> StatTable:
+    """A step's table, the rows of the per-rank spread (`RANK_KEYS`) taken off into `ranks`."""
+    spread = [i for i, key in enumerate(keys) if key.kind == rank_stats.KIND]
+    if not spread:
+        return StatTable.from_rows(keys, host)
+    kept = [i for i, key in enumerate(keys) if key.kind != rank_stats.KIND]
+    table = StatTable.from_rows([keys[i] for i in kept], host[kept])
+    table.ranks = rank_stats.RankSpread.of(host[spread[-len(RANK_KEYS):], P_SUM])
+    return table

@@ -26,6 +26,7 @@ from msprobe_engine.incident.deviation import RunningNorms, top_deviations
 from msprobe_engine.incident.dumpjson import call_entry_name, stats_dump
 from msprobe_engine.incident.environment import config_hash, versions, world
 from msprobe_engine.incident.graph import CallGraph
+from msprobe_engine.incident.ranks import rank_report
 from msprobe_engine.incident.replay import Fired, ReplayHost, ReplayResult, StepCall, not_run, replay_step
 from msprobe_engine.incident.writer import DUMP_DIR, REPLAY_DIR, IncidentFiles
 from msprobe_engine.records import AlertEvent, StepRecord
@@ -176,6 +177,8 @@ class IncidentRecorder:
             "files": {"metrics": JSONL_NAME, "dump": f"{self._dump_path(step)}/{DUMP_JSON}"},
             **self._run_info(), "time": time.time(),
         }
+        if table.ranks is not None:  # the odd rank, named (the merge's spread; no gather)
+            report["ranks"] = rank_report(table.ranks, events)
         return Incident(directory, step, rule, events, culprit, report, IncidentFiles(directory, self._failed))
 
     def _culprit_dict(self, culprit: Culprit | None) -> dict[str, Any] | None:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, NamedTuple
+from typing import Any, Iterable, NamedTuple
 
 import numpy as np
 
@@ -29,6 +29,9 @@ class StatTable:
     keys: list[MetricKey]
     partials: np.ndarray  # [len(keys), n_columns()]
     metrics: dict[str, float] | None = field(default=None, repr=False)  # filled by the monitor
+    #: the spread of the per-rank scalars over the data-parallel group (`stats.ranks.RankSpread`),
+    #: when the reducer found one in this table's transfer
+    ranks: Any = field(default=None, repr=False)
     _finalized: dict[str, np.ndarray] | None = field(default=None, repr=False)
 
     @classmethod

@@ -80,8 +80,7 @@ class StepPipeline:
         transfer. Each transfer adds the self-metering rows of the current step."""
         self.emitter.host_since = time.perf_counter()
         clock = self.clock
-        merge_rows = None if self.reducer is None else self.reducer.merge
-        tables = self.rows.transfer(clock.step, self.backend, merge_rows, reduce=reduce,
+        tables = self.rows.transfer(clock.step, self.backend, self.reducer, reduce=reduce,
                                     merge=reduce if merge is None else merge,
                                     late=self._reads_late if at_step_end and reduce else None)
         if at_step_end and reduce and self.rows.reading_late:  # this step's copy left running
@@ -117,7 +116,8 @@ class StepPipeline:
         tables = self.transfer()
         table = tables.pop(step)
         if screen is not None:
-            table = screen(table)
+            ranks, table = table.ranks, screen(table)
+            table.ranks = table.ranks or ranks
         firing = self.evaluate(table, before_step=True)
         events = self.tracker.update(step, firing, scope="pre:")
         # what an earlier step showed after its optimizer step can only stop the run now
@@ -172,6 +172,7 @@ class StepPipeline:
             early_table, events = self.held.tables.pop(step, (empty, []))
             merged = StatTable.from_rows(early_table.keys + late.keys,
                                          np.concatenate([early_table.partials, late.partials]))
+            merged.ranks = late.ranks or early_table.ranks
             firing = self.evaluate(late, whole=merged)
             late_events = self.tracker.update(step, firing, scope="post:")
             self._emit(step, merged, events + late_events)

@@ -1,4 +1,4 @@
-"""The monitor's reducer under DeepSpeed: one all-gather of the step's packed rows.
+"""The monitor's reducer under DeepSpeed: the step's packed rows merged in two all-reduces.
 
 Every data-parallel rank packs the same keys in the same order (activations of
 its own micro-batches, its shard pieces of gradients, parameters and optimizer
@@ -24,7 +24,7 @@ RANK_LOCAL_KINDS = frozenset({"actv", "actv_grad", "train"})
 
 
 class RankMerge(Reducer):
-    """`monitor.reducer`: merges packed rows over the data-parallel group in one collective."""
+    """`monitor.reducer`: merges packed rows over the data-parallel group (`GroupMerge`)."""
 
     def __init__(self, group=None, per_rank: bool = False) -> None:
         self.group = group
@@ -43,6 +43,9 @@ class RankMerge(Reducer):
         if not self.per_rank or self.world == 1:
             return decision
         return agree(decision, self.group, self._device)
+
+    def spread(self) -> torch.Tensor | None:
+        return self.data.spread_rows()
 
     def merge(self, keys: Sequence[MetricKey], rows: torch.Tensor) -> torch.Tensor:
         self._device = rows.device

@@ -2,7 +2,7 @@
 
 Under expert parallelism (EP > 1) each rank holds `num_moe_experts / EP` experts of every
 MoE layer, named here by their global number (`decoder.layers.3.mlp.experts.local_experts.5`,
-see `model.global_layer_names`). The statistics of a step are merged with one all-gather
+see `model.global_layer_names`). The statistics of a step are merged with one set of all-reduces
 per group, which needs the same rows on every rank: `complete_experts` puts a placeholder
 (an empty tensor, the merge's identity) in place of each expert another rank holds, so
 every rank lists each MoE layer's experts 0 .. E-1 with the same parameters. The merge

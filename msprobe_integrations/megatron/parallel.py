@@ -1,8 +1,9 @@
 """Megatron's process groups and the reducer that merges statistics over them.
 
 The monitor hands its packed rows to `StatReducer` once per transfer. The rows
-travel in one all-gather over the tensor-parallel group and then one over the
-data-parallel group (with context parallel), never the tensors themselves.
+are merged over the tensor-parallel group and then over the data-parallel group (with
+context parallel), each in two all-reduces of a size independent of the group's
+(`frameworks.torch.distributed.GroupMerge`), never the tensors themselves.
 Per row, the merge is exact:
 
 - a parameter's gradient, weight or optimizer state: merged over TP when the
@@ -16,8 +17,7 @@ Per row, the merge is exact:
 
 Under expert parallelism (EP > 1) the data-parallel group is the grid of the
 expert-data-parallel group (ranks holding the same experts) and the expert-parallel group
-(ranks holding different experts), and the data-parallel merge is done as two all-gathers,
-over the first and then the second: an expert parameter's rows are taken once over its
+(ranks holding different experts), and the data-parallel merge is done over the first and then the second: an expert parameter's rows are taken once over its
 replicas (merged when the distributed optimizer shards it) and merged over the
 expert-parallel group (where only the rank holding the expert has a non-empty row, see
 `experts.complete_experts`); every other row merges as over the whole data-parallel group.
@@ -132,3 +132,9 @@ class StatReducer(Reducer):
         if self.ep is not None:
             rows = self.ep(keys, rows, self.ep_policy, checksum)
         return rows
+
+    def spread(self) -> torch.Tensor | None:
+        """The spread of the per-rank scalars, when one group holds every merged rank (TP or DP
+        alone: with both, each rank's data group would name other ranks)."""
+        groups = [g for g in (self.tp, self.dp, self.edp, self.ep) if g is not None]
+        return groups[0].spread_rows() if len(groups) == 1 else None

@@ -1,5 +1,5 @@
 """PyTorch's own data parallelism (DDP, FSDP2, HSDP): what a model's wrapping means for the
-statistics, and the reducer that merges them over the ranks in one collective.
+statistics, and the reducer that merges them over the ranks (two all-reduces whose size does not grow with the world).
 
 - `DistributedDataParallel`: every rank holds the whole model; after backward the gradients
   are already averaged, so gradients, parameters and optimizer state are copies (taken once),
@@ -7,9 +7,9 @@ statistics, and the reducer that merges them over the ranks in one collective.
 - FSDP2 (`fully_shard`, also on an HSDP 2-D mesh): DTensor parameters, gradients and moments
   are measured on this rank's shard (`fsdp.LocalShards`) and merged exactly; the rows of
   a non-lead HSDP replica are replaced by the empty row (the merge's identity) first, so that
-  every shard counts once in the same single all-gather.
+  every shard counts once in the same merge.
 - FSDP2 with tensor parallelism (`parallelize_module` on the "tp" dimension of a 2-D
-  (data, tensor) mesh, `fully_shard` on its data dimension): one all-gather over the
+  (data, tensor) mesh, `fully_shard` on its data dimension): one merge over the
   tensor-parallel group first (a parameter's rows merged where the parameter is sharded over
   it, taken once where it is replicated; activations and the loss taken once where every rank
   measured the very same bits, a replicated tensor, and merged otherwise, as under
@@ -140,9 +140,9 @@ def _fsdp1_modules(model: torch.nn.Module) -> str:
 
 
 class DataParallelMerge(Reducer):
-    """`monitor.reducer` under DDP/FSDP2: one all-gather of the step's packed rows over the
-    group (`GroupMerge`), model-state rows taken once (DDP copies) or merged from shards (FSDP2),
-    data rows merged (or kept per rank with `per_rank`). With tensor parallelism, one all-gather
+    """`monitor.reducer` under DDP/FSDP2: the step's packed rows merged over the group in two
+    all-reduces (`GroupMerge`), model-state rows taken once (DDP copies) or merged from shards (FSDP2),
+    data rows merged (or kept per rank with `per_rank`). With tensor parallelism, a merge
     over the tensor-parallel group comes first (see the module docstring)."""
 
     def __init__(self, wrapping: Wrapping, params: Sequence[tuple[str, torch.Tensor]], per_rank: bool) -> None:
@@ -192,6 +192,11 @@ class DataParallelMerge(Reducer):
         if blank is not None:
             rows = torch.where(blank[:, None], _empty_row(rows), rows)
         return self.data(keys, rows, self.policy, checksum)
+
+    def spread(self) -> torch.Tensor | None:
+        """The spread over the data-parallel group (none with tensor parallelism: each TP rank's data
+        group would name other ranks)."""
+        return self.data.spread_rows() if self.tp is None else None
 
     def _blank_mask(self, checksum: int, keys: Sequence[MetricKey], device: torch.device) -> torch.Tensor | None:
         """Rows this rank holds as a second copy of a shard (HSDP), once per layout."""

@@ -1,29 +1,42 @@
 """Merge partial-statistics rows across the ranks of a torch.distributed group: one policy for
 every integration (DeepSpeed, Megatron-core, DDP/FSDP).
 
-One collective per group and transfer: every rank contributes its packed rows (the same keys
-in the same order) plus one marker row holding a checksum of the key layout; they are
-all-gathered into ``[world, k + 1, n_columns()]`` and each row is combined as its policy says:
+Two all-reduces per group and transfer, whose size does not depend on the world size: every
+rank packs its rows (the same keys in the same order) into
+
+- a float64 vector all-reduced with SUM: the sum-like columns (sum, sumsq, the counts; float64,
+  so counts are exact), and
+- an int64 vector all-reduced with MAX: the max columns and the negated min columns as
+  order-preserving integer keys (`order_key`: nan sorts above +inf, so a nan anywhere comes
+  out as nan, as `torch.amax` would), a hash of each `AUTO` row and its negation, the layout
+  checksum and the key count and their negations, and the per-rank scalars of `stats.ranks`
+  with the rank in their low bits (max/argmax and min/argmin in one reduction).
+
+Each row is combined as its policy says:
 
 - `MERGE`: the ranks hold different pieces (shards, other data): the exact merge of
   `stats.columns` (min of mins, max of maxes, sums add);
-- `ONCE`: the ranks hold copies (a replicated parameter): the first rank's row;
-- `LOCAL`: rank-local data kept as it is (per-rank records): this rank's own row;
-- `AUTO`: `ONCE` where every rank measured the very same bits, `MERGE` otherwise.
+- `ONCE`: the ranks hold copies (a replicated parameter): the first rank's row (the others
+  contribute the identities -0.0 and the smallest key: x + -0.0 == x, exactly);
+- `LOCAL`: rank-local data kept as it is (per-rank records): this rank's own row (not sent);
+- `AUTO`: `ONCE` where every rank measured the very same bits (the row hash's max equals its
+  min over the ranks), `MERGE` otherwise: such rows send their sums twice (merged and first-rank).
 
-The marker is checked (one small host read) the first time a layout is seen: ranks that
-measured different tensors fail loudly instead of merging unrelated rows. No full tensor is
-ever gathered.
+The layout (the maximum and minimum of the checksum and count agree) is checked with one small
+host read the first time a layout is seen: ranks that measured different tensors fail loudly
+instead of merging unrelated rows. No full tensor, and no rank's rows, is ever gathered.
 """
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from msprobe_engine.stats.columns import merge_indices
+from msprobe_engine.stats import ranks as rank_stats
+from msprobe_engine.stats.columns import P_INF, P_NAN, P_NUMEL, P_SUM, P_SUMSQ, merge_indices, n_columns
 from msprobe_engine.stats.table import MetricKey
 
 if TYPE_CHECKING:
@@ -33,16 +46,78 @@ MERGE, ONCE, LOCAL, AUTO = "merge", "once", "local", "auto"
 
 Policy = Callable[[MetricKey], str]
 
+_FLIP = (1 << 63) - 1
+#: the smallest key: what a rank that contributes nothing to a maximum sends
+NO_KEY = -(1 << 63)
+_HASH_MASK = (1 << 62) - 1
+
+
+def _signed(value: int) -> int:
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+#: odd multipliers of a row hash, one per column (and the finaliser's)
+_MIX = [_signed((2 * i + 1) * 0x9E3779B97F4A7C15) for i in range(64)]
+_FINAL = _signed(0xBF58476D1CE4E5B9)
+
+
+def order_key(values: torch.Tensor) -> torch.Tensor:
+    """int64 keys in the order of the float64 `values` (-0.0 below +0.0, every nan above +inf), so an
+    integer MAX all-reduce is a float max that propagates nan; `from_key` undoes it."""
+    values = torch.where(torch.isnan(values), float("nan"), values.to(torch.float64)).contiguous()
+    bits = values.view(torch.int64)
+    return torch.where(bits < 0, bits ^ _FLIP, bits)
+
+
+def from_key(keys: torch.Tensor) -> torch.Tensor:
+    """The float64 values of `order_key`'s keys."""
+    return torch.where(keys < 0, keys ^ _FLIP, keys).contiguous().view(torch.float64)
+
+
+def row_hash(rows: torch.Tensor) -> torch.Tensor:
+    """One int64 in [0, 2**62) per row of a float64 ``[k, n]`` tensor, a function of every bit of the
+    row (equal rows: equal hashes; different ones: different, but with probability ~2**-62)."""
+    bits = rows.to(torch.float64).contiguous().view(torch.int64)
+    mix = torch.tensor(_MIX[:bits.shape[1]], dtype=torch.int64, device=rows.device)
+    h = (bits * mix).sum(dim=1)  # wraps modulo 2**64
+    h = h ^ ((h >> 31) & ((1 << 33) - 1))
+    h = h * _FINAL
+    h = h ^ ((h >> 29) & ((1 << 35) - 1))
+    return h & _HASH_MASK
+
+
+@dataclass
+class _Plan:
+    """What a layout sends: the rows not kept `LOCAL` (`sent`), which of those are `ONCE`
+    (`once`), the `AUTO` ones (`auto`, positions in `sent`), and the rows of the per-rank
+    scalars (replicated gradients `grads`, the loss `losses`); the column positions by merge."""
+    sent: torch.Tensor
+    once: torch.Tensor | None
+    auto: torch.Tensor | None
+    grads: torch.Tensor
+    losses: torch.Tensor
+    sums: list[int]
+    maxes: list[int]
+    mins: list[int]
+
 
 class GroupMerge:
-    """Merges packed rows over one process group (`what` names it in errors: "data", "tensor")."""
+    """Merges packed rows over one process group (`what` names it in errors: "data", "tensor").
+    After each call, `spread` holds the spread of the per-rank scalars (`stats.ranks`) over the
+    group, on the device (``[len(ranks.NAMES)]`` float64; ranks named by their global rank)."""
 
     def __init__(self, group: object = None, what: str = "data") -> None:
         self.group = group
         self.what = what
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.global_rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self._rank_bits = (1 << max(1, (world - 1).bit_length())) - 1
         self._checked: set[int] = set()
-        self._masks: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]] = {}
+        self._plans: dict[int, _Plan] = {}
+        self.spread: torch.Tensor | None = None
 
     def __call__(self, keys: Sequence[MetricKey], rows: torch.Tensor, policy: Policy,
                  checksum: int | None = None) -> torch.Tensor:
@@ -50,35 +125,115 @@ class GroupMerge:
         if self.world == 1:
             return rows
         checksum = layout_checksum(keys) if checksum is None else checksum
-        marker = torch.full((1, rows.shape[1]), float(checksum), dtype=rows.dtype, device=rows.device)
-        stacked = gather_rows(torch.cat([rows, marker]), self.group)
+        plan = self._plan(checksum, keys, policy, rows.device)
+        values = rows.to(torch.float64)
+        sums, maxes = self._pack(plan, values, checksum, len(keys))
+        _all_reduce(sums, op=dist.ReduceOp.SUM, group=self.group)
+        _all_reduce(maxes, op=dist.ReduceOp.MAX, group=self.group)
+        layout = maxes[-(4 + 2 * len(rank_stats.SCALARS)):][:4]
         if checksum not in self._checked:
-            if bool((stacked[:, -1] != float(checksum)).any()):
+            if bool((layout[:2] != -layout[2:]).any()):
                 raise RuntimeError(
                     f"msprobe: the ranks of the {self.what}-parallel group measured different tensors this "
                     "step (the module calls differ between ranks, e.g. data-dependent branches, or not every "
                     "rank reported a loss); their statistics cannot be merged. Every rank must run the same "
                     "modules and report alike; or watch fewer modules (config `modules`).")
             self._checked.add(checksum)
-        stacked = stacked[:, :-1]
-        once, local, auto, any_auto = self._policy_masks(checksum, keys, policy, rows.device)
-        if any_auto:
-            bits = stacked.view(torch.int64)
-            once = once | (auto & (bits == bits[:1]).all(dim=2).all(dim=0))
-        merged = torch.where(once[:, None], stacked[0], merge_stacked(stacked))
-        return torch.where(local[:, None], rows, merged)
+        return self._unpack(plan, values, sums, maxes).to(rows.dtype)
 
-    def _policy_masks(self, checksum: int, keys: Sequence[MetricKey], policy: Policy,
-                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-        """(once, local, auto) row masks of a layout, built once per layout."""
-        masks = self._masks.get(checksum)
-        if masks is None:
+    def _pack(self, plan: _Plan, rows: torch.Tensor, checksum: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the SUM vector, the MAX vector) of this rank's rows."""
+        part = rows[plan.sent]
+        sums = part[:, plan.sums]
+        maxes, mins = order_key(part[:, plan.maxes]), order_key(-part[:, plan.mins])
+        if plan.once is not None and self.rank != 0:  # copies: the first rank's row only
+            sums = torch.where(plan.once[:, None], -0.0, sums)
+            maxes = torch.where(plan.once[:, None], NO_KEY, maxes)
+            mins = torch.where(plan.once[:, None], NO_KEY, mins)
+        sum_parts, max_parts = [sums.flatten()], [maxes.flatten(), mins.flatten()]
+        if plan.auto is not None:
+            auto = part[plan.auto]
+            first = auto[:, plan.sums] if self.rank == 0 else torch.full_like(auto[:, plan.sums], -0.0)
+            hashes = row_hash(auto)
+            sum_parts.append(first.flatten())
+            max_parts += [hashes, -hashes]
+        scalars = self._scalars(plan, rows)
+        sum_parts += [scalars, (scalars[:1] > 0).to(torch.float64)]
+        layout = torch.tensor([checksum, count, -checksum, -count], dtype=torch.int64, device=rows.device)
+        max_parts += [layout, self._with_rank(scalars), self._with_rank(-scalars)]
+        return torch.cat(sum_parts), torch.cat(max_parts)
+
+    def _unpack(self, plan: _Plan, rows: torch.Tensor, sums: torch.Tensor, maxes: torch.Tensor) -> torch.Tensor:
+        """`rows` with the sent rows replaced by their merge; sets `spread`."""
+        sent, s, mx, mn = len(plan.sent), len(plan.sums), len(plan.maxes), len(plan.mins)
+        merged = torch.empty((sent, rows.shape[1]), dtype=torch.float64, device=rows.device)
+        merged[:, plan.sums] = sums[:sent * s].view(sent, s)
+        merged[:, plan.maxes] = from_key(maxes[:sent * mx]).view(sent, mx)
+        merged[:, plan.mins] = -from_key(maxes[sent * mx:sent * (mx + mn)]).view(sent, mn)
+        at_sum, at_max = sent * s, sent * (mx + mn)
+        if plan.auto is not None:  # replicated (hash max == hash min): the first rank's sums
+            a = len(plan.auto)
+            first = sums[at_sum:at_sum + a * s].view(a, s)
+            hashes, negated = maxes[at_max:at_max + a], maxes[at_max + a:at_max + 2 * a]
+            replicated = hashes == -negated
+            sub = merged[plan.auto]
+            sub[:, plan.sums] = torch.where(replicated[:, None], first, sub[:, plan.sums])
+            merged[plan.auto] = sub
+            at_sum, at_max = at_sum + a * s, at_max + 2 * a
+        self.spread = self._spread(sums[at_sum:], maxes[at_max + 4:])
+        out = rows.clone()
+        out[plan.sent] = merged
+        return out
+
+    def _scalars(self, plan: _Plan, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's `stats.ranks.SCALARS` (before the merge)."""
+        nonfinite = (rows[:, P_NAN] + rows[:, P_INF]).sum()
+        grad_norm = rows[plan.grads, P_SUMSQ].sum().sqrt()
+        numel = rows[plan.losses, P_NUMEL].sum()
+        loss = torch.where(numel > 0, rows[plan.losses, P_SUM].sum() / numel.clamp(min=1), 0.0)
+        return torch.stack([nonfinite, grad_norm, loss])
+
+    def _with_rank(self, scalars: torch.Tensor) -> torch.Tensor:
+        """Keys of `scalars` with this rank in the low bits (the lowest rank wins a tie)."""
+        low = self._rank_bits
+        return (order_key(scalars) & ~low) | (low - self.global_rank)
+
+    def _spread(self, sums: torch.Tensor, maxes: torch.Tensor) -> torch.Tensor:
+        n, low = len(rank_stats.SCALARS), self._rank_bits
+        high, neg = maxes[:n], maxes[n:2 * n]
+        parts = torch.stack([from_key(high & ~low), (low - (high & low)).to(torch.float64),
+                             -from_key(neg & ~low), (low - (neg & low)).to(torch.float64), sums[:n]], dim=1)
+        world = torch.full((1,), float(self.world), dtype=torch.float64, device=sums.device)
+        return torch.cat([world, parts.flatten(), sums[n:n + 1]])
+
+    def _plan(self, checksum: int, keys: Sequence[MetricKey], policy: Policy, device: torch.device) -> _Plan:
+        """What a layout sends, built once per layout."""
+        plan = self._plans.get(checksum)
+        if plan is None:
             kinds = [policy(key) for key in keys]
-            once, local, auto = ([k == p for k in kinds] for p in (ONCE, LOCAL, AUTO))
-            masks = self._masks[checksum] = (torch.tensor(once, dtype=torch.bool, device=device),
-                                            torch.tensor(local, dtype=torch.bool, device=device),
-                                            torch.tensor(auto, dtype=torch.bool, device=device), any(auto))
-        return masks
+            sent = [i for i, k in enumerate(kinds) if k != LOCAL]
+            once = [kinds[i] == ONCE for i in sent]
+            auto = [j for j, i in enumerate(sent) if kinds[i] == AUTO]
+
+            def index(positions: list[int]) -> torch.Tensor:
+                return torch.tensor(positions, dtype=torch.long, device=device)
+
+            plan = self._plans[checksum] = _Plan(
+                index(sent), torch.tensor(once, device=device) if any(once) else None,
+                index(auto) if auto else None,
+                index([i for i, k in enumerate(keys) if k.kind == "grad" and kinds[i] == ONCE]),
+                index([i for i, k in enumerate(keys) if k.kind == "train" and k.path == "loss"]),
+                merge_indices("sum"), merge_indices("max"), merge_indices("min"))
+        return plan
+
+    def spread_rows(self) -> torch.Tensor | None:
+        """`spread` as rows of one number each (`stats.ranks.KIND` rows, `ranks.NAMES` order)."""
+        if self.spread is None:
+            return None
+        rows = torch.zeros((len(self.spread), n_columns()), dtype=torch.float64, device=self.spread.device)
+        rows[:, P_SUM] = self.spread
+        rows[:, P_NUMEL] = 1.0
+        return rows
 
 
 def agree(decision: "StepDecision", group: object, device: torch.device) -> "StepDecision":
@@ -98,28 +253,22 @@ def agree_flags(skip: bool, stop: bool, group: object = None, device: torch.devi
     return skip, stop
 
 
-def gather_rows(rows: torch.Tensor, group: object = None) -> torch.Tensor:
-    """All-gather every rank's ``[k, n_columns()]`` rows into ``[world, k, n_columns()]`` (one collective)."""
-    world = dist.get_world_size(group)
-    gathered = torch.empty((world * rows.shape[0], rows.shape[1]), dtype=rows.dtype, device=rows.device)
-    _all_gather(gathered, rows.contiguous(), group=group)
-    return gathered.view(world, *rows.shape)
-
-
 def layout_checksum(keys: Sequence[MetricKey]) -> int:
     """A checksum of a key list that is the same in every process (unlike `hash`): ranks
     send it along with their rows to prove they measured the same tensors in the same order."""
     return zlib.crc32("\n".join("\t".join(k) for k in keys).encode())
 
 
-def merge_stacked(stacked: torch.Tensor) -> torch.Tensor:
-    """Merge ``[n, k, n_columns()]`` partial rows along the first axis (`stats.columns`' merge)."""
-    merged = stacked.sum(dim=0)
-    for kind, reduce in (("min", torch.amin), ("max", torch.amax)):
-        at = merge_indices(kind)
-        merged[:, at] = reduce(stacked[:, :, at], dim=0)
-    return merged
+def gather_rows(rows: torch.Tensor, group: object = None) -> torch.Tensor:
+    """All-gather every rank's ``[k, n]`` rows into ``[world, k, n]`` (one collective; the replica
+    check's hashes, not the statistics merge)."""
+    world = dist.get_world_size(group)
+    gathered = torch.empty((world * rows.shape[0], rows.shape[1]), dtype=rows.dtype, device=rows.device)
+    _all_gather(gathered, rows.contiguous(), group=group)
+    return gathered.view(world, *rows.shape)
 
 
+#: the merge's collective (a name of its own, so that a test or a benchmark can count its calls)
+_all_reduce = dist.all_reduce
 # torch 2.13 renamed all_gather_into_tensor; keep working on both sides of the rename.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
