@@ -62,20 +62,22 @@ def _exp_avg_reference(model, optimizer) -> dict:
 
 @contextlib.contextmanager
 def _counting_gathers() -> Iterator[list[int]]:
-    """Count the monitor's all-gathers (the only collective it issues)."""
+    """Count the monitor's merges over a group (two all-reduces each: the only collectives it
+    issues); `calls[0]` is the count of merges once the block ends."""
     from msprobe_engine.frameworks.torch import distributed as torch_distributed
     calls = [0]
-    original = torch_distributed._all_gather
+    original = torch_distributed._all_reduce
 
     def counting(*args, **kwargs):
         calls[0] += 1
         return original(*args, **kwargs)
 
-    torch_distributed._all_gather = counting
+    torch_distributed._all_reduce = counting
     try:
         yield calls
     finally:
-        torch_distributed._all_gather = original
+        torch_distributed._all_reduce = original
+        calls[0] //= 2
 
 
 def _train(out: str, name: str, batches_of, *, distributed_optimizer: bool = False,
@@ -319,7 +321,7 @@ def test_tensor_parallel_equals_single_process(single, pair):
             assert _close(got["megatron_grad_norm"], _reference_norm(want))
         _assert_matches_reference(run, single["main"])  # partitioned merged, replicated counted once
         _assert_same_activations(run, single["main"], ("actv", "actv_grad"))
-        assert run["gathers"] == STEPS  # one all-gather per step over the TP group, nothing else
+        assert run["gathers"] == STEPS  # one merge per step over the TP group, nothing else
         assert all(s["micro_steps"] == 2 for s in run["steps"])
     assert untimed(pair[0]["tp2"]["steps"][-1]["metrics"]) == untimed(pair[1]["tp2"]["steps"][-1]["metrics"])
 

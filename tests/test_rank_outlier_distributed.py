@@ -66,11 +66,17 @@ def _ddp(rank: int, world: int, out: str) -> dict:
         torch_distributed._all_reduce = original
     incidents = {p.parent.name: json.loads(p.read_text()) for p in Path(out).rglob("incident.json")
                  if f"-rank{rank}-" in p.parent.name}
+    own = {p.parent.name: [json.loads(line) for line in p.read_text().splitlines()]
+           for p in Path(out).rglob("own_rows.jsonl") if f"-rank{rank}-" in p.parent.name}
     dist.destroy_process_group()
-    return {"alerts": [(e.step, e.tag, e.value) for e in monitor.alert_log
+    return {"merged_norms": [r.metrics["grad/global/norm"] for r in monitor.history],
+            "alerts": [(e.step, e.tag, e.value) for e in monitor.alert_log
                        if e.phase == "start" and e.rule == "rank_outlier"],
             "incidents": {name: (i["tensor"], i.get("ranks", {}).get("said")) for name, i in incidents.items()},
-            "calls": calls, "sent": sent}
+            "calls": calls, "sent": sent,
+            "own": {name: {line["step"]: {t: v for t, v in line["metrics"].items()
+                                          if t in ("actv/0/output/nan_count", "grad/global/norm")}
+                           for line in lines} for name, lines in own.items()}}
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +106,17 @@ def test_two_all_reduces_per_monitored_step_of_a_size_independent_of_the_world(f
     calls = four[0]["calls"]
     assert [calls.count(step) for step in range(STEPS)] == [2] * STEPS
     assert len(set(four[0]["sent"][:2])) == 2 and four[0]["sent"][:2] == four[3]["sent"][:2]
+
+
+@pytest.mark.slow
+def test_the_named_rank_alone_writes_its_own_rows_into_its_incident(four):
+    for rank in range(4):
+        own = four[rank]["own"]
+        named = {f"step{NAN_STEP}-rank{rank}-rank_outlier"} if rank == NAN_RANK else set()
+        named |= {f"step{GRAD_STEP}-rank{rank}-rank_outlier"} if rank == GRAD_RANK else set()
+        assert {name for name in own if "rank_outlier" in name} == named, own.keys()
+    nan_rows = four[NAN_RANK]["own"][f"step{NAN_STEP}-rank{NAN_RANK}-rank_outlier"]
+    assert nan_rows[NAN_STEP]["actv/0/output/nan_count"] == 1  # its own rows: the nan is its
+    grad_rows = four[GRAD_RANK]["own"][f"step{GRAD_STEP}-rank{GRAD_RANK}-rank_outlier"]
+    merged = four[0]["merged_norms"][GRAD_STEP]
+    assert grad_rows[GRAD_STEP]["grad/global/norm"] == pytest.approx(40 * merged, rel=1e-9)  # the 40x copy

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
@@ -29,6 +30,8 @@ METER_KEYS = [MetricKey("monitor", "overhead_ms"), MetricKey("monitor", "host_sy
               MetricKey("monitor", "tensors")]
 
 Waiting = tuple[int, list[MetricKey], Any]  # (step, keys, rows on the device)
+#: how many transfers' own (unmerged) rows each rank keeps on the device, for an incident naming it
+OWN_TRANSFERS = 4
 
 
 class StepRows:
@@ -43,6 +46,8 @@ class StepRows:
         self.host_syncs = 0
         self._in_flight: tuple | None = None  # the copy left running: (keys, steps, meter rows, copy)
         self._meter = [0.0, 0]  # seconds in add_tensors and tensors measured since the last transfer
+        #: this rank's rows before the merge, of the last merged transfers: (keys, steps, rows on the device)
+        self.own: deque[tuple[list[MetricKey], np.ndarray, Any]] = deque(maxlen=OWN_TRANSFERS)
 
     @property
     def waiting(self) -> bool:
@@ -97,11 +102,12 @@ class StepRows:
             return tables
         keys = [k for _, ks, _ in pending for k in ks]
         rows = backend.concat([r for _, _, r in pending])
+        steps = np.repeat([s for s, ks, _ in pending], [len(ks) for _, ks, _ in pending])
         spread = None
         if merge and reducer is not None:
+            self.own.append((list(keys), steps, rows))
             rows = reducer.merge(keys, rows)
             spread = reducer.spread()
-        steps = np.repeat([s for s, ks, _ in pending], [len(ks) for _, ks, _ in pending])
         if spread is not None:  # travels with the rows, to this transfer's last step
             rows = backend.concat([rows, spread])
             keys += RANK_KEYS
@@ -127,14 +133,28 @@ class StepRows:
             self._in_flight = (keys, steps, meter, copy)
             return tables
         for at, table in _tables_by_step(keys, steps, np.concatenate([host, meter])).items():
-            if at in tables:
-                ranks = table.ranks or tables[at].ranks
-                table = StatTable.from_rows(tables[at].keys + table.keys,
-                                            np.concatenate([tables[at].partials, table.partials]))
-                table.ranks = ranks
-            tables[at] = table
+            _join(tables, at, table)
         tables.setdefault(step, StatTable([], empty_rows()))
         return tables
+
+
+    def own_tables(self, backend: Any) -> dict[int, StatTable]:
+        """This rank's own rows (before the merge) of the last merged transfers, by step: one host
+        copy, only when asked (an incident names this rank)."""
+        tables: dict[int, StatTable] = {}
+        for keys, steps, rows in self.own:
+            for at, table in _tables_by_step(keys, steps, backend.to_host(rows)).items():
+                _join(tables, at, table)
+        return tables
+
+
+def _join(tables: dict[int, StatTable], at: int, table: StatTable) -> None:
+    """`table` into `tables[at]`, after the rows already there (the spread of either kept)."""
+    if at in tables:
+        ranks = table.ranks or tables[at].ranks
+        table = StatTable.from_rows(tables[at].keys + table.keys, np.concatenate([tables[at].partials, table.partials]))
+        table.ranks = ranks
+    tables[at] = table
 
 
 def _scalar_row(value: float) -> list[float]:

@@ -8,6 +8,16 @@ from msprobe_engine.records import AlertEvent
 from msprobe_engine.stats.ranks import RankSpread, sentence
 
 
+def named_ranks(spread: RankSpread, events: Sequence[AlertEvent]) -> set[int]:
+    """The ranks an incident names: the one holding the most nan/inf values, and those a
+    `rank_outlier` alert among `events` is tagged with (`ranks/rank<R>/...`)."""
+    named = {spread.nonfinite_holder()} - {None}
+    for event in events:
+        if event.rule == "rank_outlier" and event.tag.startswith("ranks/rank"):
+            named.add(int(event.tag.split("/")[1][len("rank"):]))
+    return named
+
+
 def rank_report(spread: RankSpread, events: Sequence[AlertEvent]) -> dict[str, Any]:
     """``{"world", "said": [sentences], "spread": {...}}``: the rank holding nan/inf values, and the
     ranks `rank_outlier` named among `events` (at the factor it fired with)."""

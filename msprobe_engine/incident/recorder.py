@@ -26,7 +26,7 @@ from msprobe_engine.incident.deviation import RunningNorms, top_deviations
 from msprobe_engine.incident.dumpjson import call_entry_name, stats_dump
 from msprobe_engine.incident.environment import config_hash, versions, world
 from msprobe_engine.incident.graph import CallGraph
-from msprobe_engine.incident.ranks import rank_report
+from msprobe_engine.incident.ranks import named_ranks, rank_report
 from msprobe_engine.incident.replay import Fired, ReplayHost, ReplayResult, StepCall, not_run, replay_step
 from msprobe_engine.incident.writer import DUMP_DIR, REPLAY_DIR, IncidentFiles
 from msprobe_engine.records import AlertEvent, StepRecord
@@ -111,6 +111,18 @@ class IncidentRecorder:
         made = self._start(step, table, starts, firing, facts) if starts else []
         self.norms.update(fresh)
         return made
+
+    def names_this_rank(self, table: StatTable, events: list[AlertEvent]) -> bool:
+        """Whether the odd rank the merge found (`StatTable.ranks`) named in `events`' incident is this one."""
+        return table.ranks is not None and self.context.rank in named_ranks(table.ranks, events)
+
+    def write_own_rows(self, made: list[Incident], tables: dict[int, StatTable]) -> None:
+        """Into each of `made`: this rank's own statistics of its last transfers (`tables`, by step),
+        asked for when the incident names this rank (`own_rows.jsonl`)."""
+        lines = [{"step": step, "rank": self.context.rank, "metrics": self.context.metrics_of(table)}
+                 for step, table in sorted(tables.items())]
+        for incident in made:
+            self._submit(incident, partial(incident.files.write_own_rows, lines))
 
     def conclude(self, made: list[Incident], call: StepCall | None, why_not: str,
                  host: ReplayHost | None = None,

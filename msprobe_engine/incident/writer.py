@@ -4,6 +4,8 @@
 
     <incidents dir>/step<N>-rank<R>-<rule>/
         metrics.jsonl                         the last records of the ring buffer, up to step N
+        own_rows.jsonl                        this rank's own (unmerged) statistics of its last
+                                              transfers, when the incident names this rank
         dump/step<N>/<rank dir>/dump.json     step N's statistics as an msprobe dump.json
         replay/step<N>/<rank dir>/...         the replay's tensor dump, when the step was replayed
         incident.json                         written last, atomically: its presence means complete
@@ -26,6 +28,7 @@ from msprobe_engine.sinks.jsonl_sink import JSONL_NAME
 INCIDENT_JSON = "incident.json"
 DUMP_DIR = "dump"
 REPLAY_DIR = "replay"
+OWN_ROWS = "own_rows.jsonl"
 
 ErrorHandler = Callable[[Path, str, OSError], None]
 
@@ -49,6 +52,14 @@ class IncidentFiles:
             write_file(rank_dir / DUMP_JSON, dump_json_text(dump_meta, dump_data()))
         except OSError as exc:
             self.on_error(self.directory, "evidence", exc)
+
+    def write_own_rows(self, lines: list[dict[str, Any]]) -> None:
+        """own_rows.jsonl: this rank's own statistics, one step a line."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            write_file(self.directory / OWN_ROWS, "".join(json.dumps(line) + "\n" for line in lines))
+        except OSError as exc:
+            self.on_error(self.directory, "own rows", exc)
 
     def write_report(self, report: dict[str, Any]) -> None:
         """incident.json, through a temporary file and a rename."""

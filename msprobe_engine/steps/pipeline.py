@@ -197,7 +197,10 @@ class StepPipeline:
         if self.incidents is None:
             return []
         facts = self.facts(self.held.micro_steps.get(step, self.clock.micro_steps))
-        return self.incidents.observe(step, table, fresh, events, firing, facts)
+        made = self.incidents.observe(step, table, fresh, events, firing, facts)
+        if made and self.incidents.names_this_rank(table, events):  # its own rows, asked for now
+            self.incidents.write_own_rows(made, self.rows.own_tables(self.backend))
+        return made
 
     def _conclude_late(self, made: list[Incident]) -> None:
         if made:
