@@ -10,10 +10,10 @@ from msprobe_engine.stats.ranks import RankSpread, sentence
 
 def named_ranks(spread: RankSpread, events: Sequence[AlertEvent]) -> set[int]:
     """The ranks an incident names: the one holding the most nan/inf values, and those a
-    `rank_outlier` alert among `events` is tagged with (`ranks/rank<R>/...`)."""
+    `rank_outlier` alert starting among `events` is tagged with (`ranks/rank<R>/...`)."""
     named = {spread.nonfinite_holder()} - {None}
     for event in events:
-        if event.rule == "rank_outlier" and event.tag.startswith("ranks/rank"):
+        if event.rule == "rank_outlier" and event.phase == "start" and event.tag.startswith("ranks/rank"):
             named.add(int(event.tag.split("/")[1][len("rank"):]))
     return named
 
@@ -23,7 +23,8 @@ def rank_report(spread: RankSpread, events: Sequence[AlertEvent]) -> dict[str, A
     ranks `rank_outlier` named among `events` (at the factor it fired with)."""
     said = [spread.nonfinite_sentence()] if spread.nonfinite_holder() is not None else []
     for event in events:
-        if event.rule != "rank_outlier" or event.tag.endswith("/nonfinite") or not event.threshold:
+        if (event.rule != "rank_outlier" or event.phase != "start" or event.tag.endswith("/nonfinite")
+                or not event.threshold):
             continue
         said += [sentence(found, spread.world) for found in spread.extremes(event.threshold)
                  if event.tag == f"ranks/rank{found.rank}/{found.scalar}"]
