@@ -69,7 +69,8 @@ class RankSpread:
 
     def extremes(self, factor: float) -> list[Extreme]:
         """The ranks whose `grad_norm` or `loss` is more than `factor` x the mean of the ranks between
-        the extremes, or less than 1/`factor` of it (at most one each way per scalar)."""
+        the extremes, or less than 1/`factor` of it (at most one each way per scalar; with two
+        ranks, the higher one only)."""
         found = []
         world = self.world
         if world < 2:
@@ -89,6 +90,8 @@ class RankSpread:
                 else:
                     continue
                 found.append(Extreme(scalar, int(self.get(scalar, "arg" + part)), value, reference, ratio, high))
+                if world == 2:
+                    break  # two ranks apart: one event, named by the higher one (which is odd is unknowable)
         return found
 
     def nonfinite_sentence(self) -> str:
