@@ -84,6 +84,38 @@ def _compare(rank: int, world: int) -> dict:
             "mismatch": mismatch}
 
 
+def _two_groups(rank: int, world: int) -> dict:
+    """A 2 x 2 grid: tensor-parallel pairs {0, 1}, {2, 3}, data-parallel pairs {0, 2}, {1, 3}; the
+    data merge carries the tensor merge's spread on: the rank holding the most nan is named by its
+    global rank on every rank, out of 4."""
+    import torch
+    import torch.distributed as dist
+
+    from msprobe_engine.frameworks.torch.distributed import MERGE, GroupMerge
+    from msprobe_engine.stats.columns import P_NAN
+    from msprobe_engine.stats.ranks import RankSpread
+    from msprobe_engine.stats.table import MetricKey
+
+    dist.init_process_group("gloo")
+    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    tp, dp = GroupMerge(tp_groups[rank // 2], "tensor"), GroupMerge(dp_groups[rank % 2], "data")
+    keys = [MetricKey("actv", f"m{i}") for i in range(6)]
+    rows = torch.zeros(6, 8, dtype=torch.float64)
+    rows[:, P_NAN] = {3: 5.0, 1: 2.0}.get(rank, 0.0)
+    merged = dp(keys, tp(keys, rows, lambda key: MERGE), lambda key: MERGE, inner=tp)
+    spread = RankSpread.of(dp.spread.tolist())
+    dist.destroy_process_group()
+    return {"holder": spread.nonfinite_holder(), "most": spread.get("nonfinite", "max"), "world": spread.world,
+            "holders": spread.values["holders"], "nan_count": merged[0, P_NAN].item()}
+
+
+@pytest.mark.slow
+def test_a_rank_is_named_through_a_tensor_then_data_parallel_pair_of_merges():
+    for result in run_ranks(_two_groups, 4, timeout=120):
+        assert result == {"holder": 3, "most": 30.0, "world": 4, "holders": 2.0, "nan_count": 7.0}
+
+
 @pytest.fixture(scope="module")
 def merged() -> dict:
     return {world: run_ranks(_compare, world, timeout=120) for world in (2, 4)}

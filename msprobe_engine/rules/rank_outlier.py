@@ -12,7 +12,7 @@ its all-reduces (`stats.ranks`, `StatTable.ranks`), so every rank knows, without
 
 One alert per event (an episode per scalar and direction); every rank sees the same spread and
 raises the same alert; incidents say it in words ("rank 2 of 4 holds the nan"). Nothing fires
-where the reducer reports no spread (one process, or tensor parallelism with data parallelism).
+where the reducer reports no spread (one process, MindSpore).
 """
 from __future__ import annotations
 

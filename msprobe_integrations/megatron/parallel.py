@@ -102,6 +102,7 @@ class StatReducer(Reducer):
         self.dp_sharded = dp_sharded
         self.tp = GroupMerge(layout.tp_group, "tensor") if layout.size(layout.tp_group) > 1 else None
         self.dp = self.edp = self.ep = None
+        self._last: GroupMerge | None = None  # the last merge of a transfer (its spread covers all)
         if layout.ep_size > 1:  # data parallel = expert data parallel x expert parallel
             layout.check_experts()
             self.ep = GroupMerge(layout.ep_group, "expert")
@@ -123,18 +124,14 @@ class StatReducer(Reducer):
 
     def merge(self, keys: Sequence[MetricKey], rows: torch.Tensor) -> torch.Tensor:
         checksum = layout_checksum(keys)
-        if self.tp is not None:
-            rows = self.tp(keys, rows, self.tp_policy, checksum)
-        if self.dp is not None:
-            rows = self.dp(keys, rows, self.dp_policy, checksum)
-        if self.edp is not None:
-            rows = self.edp(keys, rows, self.dp_policy, checksum)
-        if self.ep is not None:
-            rows = self.ep(keys, rows, self.ep_policy, checksum)
+        inner = None  # each merge carries the spread of the per-rank scalars on to the next
+        for group, policy in ((self.tp, self.tp_policy), (self.dp, self.dp_policy), (self.edp, self.dp_policy),
+                              (self.ep, self.ep_policy)):
+            if group is not None:
+                rows, inner = group(keys, rows, policy, checksum, inner=inner), group
+        self._last = inner
         return rows
 
     def spread(self) -> torch.Tensor | None:
-        """The spread of the per-rank scalars, when one group holds every merged rank (TP or DP
-        alone: with both, each rank's data group would name other ranks)."""
-        groups = [g for g in (self.tp, self.dp, self.edp, self.ep) if g is not None]
-        return groups[0].spread_rows() if len(groups) == 1 else None
+        """The spread of the per-rank scalars over this pipeline stage's ranks."""
+        return self._last.spread_rows() if self._last is not None else None

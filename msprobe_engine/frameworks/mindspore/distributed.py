@@ -16,7 +16,11 @@ Both gathers run once per monitored step, at its one host transfer.
 
 MindSpore 2.10 on CPU: ``msrun`` and ``init()`` work, and so do the ``AllReduce``/``AllGather``
 primitives (PyNative and GRAPH_MODE; ``AllReduce`` with SUM only); ``mindspore.communication.comm_func.all_reduce`` does not
-(no CPU kernel for ``InnerCommAllReduce``), so the primitive is used.
+(no CPU kernel for ``InnerCommAllReduce``), so the primitive is used. That ``AllReduce`` also
+refuses float64 and int64, so the world-independent merge of the torch reducers (a float64 SUM
+and an int64 MAX all-reduce, `frameworks.torch.distributed`) cannot be built on it: exact sums
+and a max need both; here the rows are still gathered (world x k x 64 B per rank), and the
+per-rank spread (`stats.ranks`) is not reported.
 """
 from __future__ import annotations
 

@@ -191,12 +191,11 @@ class DataParallelMerge(Reducer):
         blank = self._blank_mask(checksum, keys, rows.device)
         if blank is not None:
             rows = torch.where(blank[:, None], _empty_row(rows), rows)
-        return self.data(keys, rows, self.policy, checksum)
+        return self.data(keys, rows, self.policy, checksum, inner=self.tp)
 
     def spread(self) -> torch.Tensor | None:
-        """The spread over the data-parallel group (none with tensor parallelism: each TP rank's data
-        group would name other ranks)."""
-        return self.data.spread_rows() if self.tp is None else None
+        """The spread over every rank (the tensor-parallel merge's carried on into the data one)."""
+        return self.data.spread_rows()
 
     def _blank_mask(self, checksum: int, keys: Sequence[MetricKey], device: torch.device) -> torch.Tensor | None:
         """Rows this rank holds as a second copy of a shard (HSDP), once per layout."""

@@ -105,7 +105,8 @@ class _Plan:
 class GroupMerge:
     """Merges packed rows over one process group (`what` names it in errors: "data", "tensor").
     After each call, `spread` holds the spread of the per-rank scalars (`stats.ranks`) over the
-    group, on the device (``[len(ranks.NAMES)]`` float64; ranks named by their global rank)."""
+    group (and an `inner` group's), on the device (``[len(ranks.NAMES)]`` float64; ranks named by
+    their global rank)."""
 
     def __init__(self, group: object = None, what: str = "data") -> None:
         self.group = group
@@ -118,16 +119,24 @@ class GroupMerge:
         self._checked: set[int] = set()
         self._plans: dict[int, _Plan] = {}
         self.spread: torch.Tensor | None = None
+        #: the spread's reduced pieces (its SUM part, its MAX keys) and how many ranks it covers: what
+        #: a merge over the next group carries on (`inner`)
+        self.reduced: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.spread_world = self.world
 
     def __call__(self, keys: Sequence[MetricKey], rows: torch.Tensor, policy: Policy,
-                 checksum: int | None = None) -> torch.Tensor:
-        """`rows` merged over the group, row `i` as `policy(keys[i])` says."""
+                 checksum: int | None = None, inner: "GroupMerge | None" = None) -> torch.Tensor:
+        """`rows` merged over the group, row `i` as `policy(keys[i])` says. `inner`: the merge
+        these rows just went through over another group (tensor parallel before data parallel):
+        its spread is carried on, so `spread` covers both groups' ranks."""
         if self.world == 1:
             return rows
         checksum = layout_checksum(keys) if checksum is None else checksum
         plan = self._plan(checksum, keys, policy, rows.device)
         values = rows.to(torch.float64)
-        sums, maxes = self._pack(plan, values, checksum, len(keys))
+        carried = inner.reduced if inner is not None else None
+        self.spread_world = self.world * (inner.spread_world if carried is not None else 1)
+        sums, maxes = self._pack(plan, values, checksum, len(keys), carried)
         _all_reduce(sums, op=dist.ReduceOp.SUM, group=self.group)
         _all_reduce(maxes, op=dist.ReduceOp.MAX, group=self.group)
         layout = maxes[-(4 + 2 * len(rank_stats.SCALARS)):][:4]
@@ -141,8 +150,10 @@ class GroupMerge:
             self._checked.add(checksum)
         return self._unpack(plan, values, sums, maxes).to(rows.dtype)
 
-    def _pack(self, plan: _Plan, rows: torch.Tensor, checksum: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the SUM vector, the MAX vector) of this rank's rows."""
+    def _pack(self, plan: _Plan, rows: torch.Tensor, checksum: int, count: int,
+              carried: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the SUM vector, the MAX vector) of this rank's rows (and of the spread `carried` on from
+        an inner group's merge, else of this rank's scalars)."""
         part = rows[plan.sent]
         sums = part[:, plan.sums]
         maxes, mins = order_key(part[:, plan.maxes]), order_key(-part[:, plan.mins])
@@ -157,11 +168,12 @@ class GroupMerge:
             hashes = row_hash(auto)
             sum_parts.append(first.flatten())
             max_parts += [hashes, -hashes]
-        scalars = self._scalars(plan, rows)
-        sum_parts += [scalars, (scalars[:1] > 0).to(torch.float64)]
+        if carried is None:
+            scalars = self._scalars(plan, rows)
+            carried = (torch.cat([scalars, (scalars[:1] > 0).to(torch.float64)]),
+                       torch.cat([self._with_rank(scalars), self._with_rank(-scalars)]))
         layout = torch.tensor([checksum, count, -checksum, -count], dtype=torch.int64, device=rows.device)
-        max_parts += [layout, self._with_rank(scalars), self._with_rank(-scalars)]
-        return torch.cat(sum_parts), torch.cat(max_parts)
+        return torch.cat(sum_parts + [carried[0]]), torch.cat(max_parts + [layout, carried[1]])
 
     def _unpack(self, plan: _Plan, rows: torch.Tensor, sums: torch.Tensor, maxes: torch.Tensor) -> torch.Tensor:
         """`rows` with the sent rows replaced by their merge; sets `spread`."""
@@ -180,7 +192,8 @@ class GroupMerge:
             sub[:, plan.sums] = torch.where(replicated[:, None], first, sub[:, plan.sums])
             merged[plan.auto] = sub
             at_sum, at_max = at_sum + a * s, at_max + 2 * a
-        self.spread = self._spread(sums[at_sum:], maxes[at_max + 4:])
+        self.reduced = (sums[at_sum:], maxes[at_max + 4:])
+        self.spread = self._spread(*self.reduced)
         out = rows.clone()
         out[plan.sent] = merged
         return out
@@ -203,7 +216,7 @@ class GroupMerge:
         high, neg = maxes[:n], maxes[n:2 * n]
         parts = torch.stack([from_key(high & ~low), (low - (high & low)).to(torch.float64),
                              -from_key(neg & ~low), (low - (neg & low)).to(torch.float64), sums[:n]], dim=1)
-        world = torch.full((1,), float(self.world), dtype=torch.float64, device=sums.device)
+        world = torch.full((1,), float(self.spread_world), dtype=torch.float64, device=sums.device)
         return torch.cat([world, parts.flatten(), sums[n:n + 1]])
 
     def _plan(self, checksum: int, keys: Sequence[MetricKey], policy: Policy, device: torch.device) -> _Plan:
