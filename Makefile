@@ -12,6 +12,7 @@ PY312     := $(VENV312)/bin/python
 PIP312    := $(PY312) -m pip install --quiet --disable-pip-version-check -c constraints-py312.txt
 # what runs there: every Megatron test, and core tests that need no predecessor (numpy 2)
 PY312_TESTS := tests/test_megatron.py tests/test_megatron_moe.py tests/test_megatron_bridge.py \
+	tests/test_megatron_tp_split.py tests/test_megatron_router_losses.py \
 	"tests/test_lifecycle_order.py::test_lifecycle_calls_arrive_in_order[megatron]" \
 	tests/test_stats.py tests/test_monitor_torch.py tests/test_config.py
 export OMP_NUM_THREADS := 1

@@ -57,6 +57,8 @@ class TinySpec:
     seq: int = 16
     batch: int = 2
     experts: int = 0  # > 0: every MLP a mixture of this many experts (top-2 routing)
+    capacity: float | None = None  # MoE: Megatron's moe_expert_capacity_factor (None: no capacity)
+    aux_loss: float = 0.0  # MoE: > 0, the coefficient of Megatron's load-balancing loss ("aux_loss")
 
 
 def patch_for_cpu() -> None:
@@ -146,11 +148,15 @@ def build_gpt(spec: TinySpec = TinySpec(), seed: int = 1234) -> GPTModel:
 
 
 def _moe(spec: TinySpec) -> dict:
-    """The TransformerConfig keys of an MoE model: top-2 routing without load-balancing loss
-    (its value depends on how tokens are split into micro-batches), the allgather dispatcher."""
+    """The TransformerConfig keys of an MoE model: top-2 routing, by default without load-balancing
+    loss (its value depends on how tokens are split into micro-batches) and without capacity, the
+    allgather dispatcher."""
     if not spec.experts:
         return {}
-    return {"num_moe_experts": spec.experts, "moe_router_topk": 2, "moe_router_load_balancing_type": "none",
+    balancing = {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": spec.aux_loss} \
+        if spec.aux_loss else {"moe_router_load_balancing_type": "none"}
+    return {"num_moe_experts": spec.experts, "moe_router_topk": 2, **balancing,
+            "moe_expert_capacity_factor": spec.capacity,
             "moe_token_dispatcher_type": "allgather", "moe_grouped_gemm": False, "add_bias_linear": False,
             "expert_model_parallel_size": parallel_state.get_expert_model_parallel_world_size()}
 

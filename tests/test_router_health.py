@@ -41,10 +41,10 @@ def _bias_router(module: torch.nn.Module, bias: torch.Tensor) -> None:
     module.forward = forward
 
 
-def _train(tmp_path, fault=None) -> list:
+def _train(tmp_path, fault=None, sinks=("jsonl",)) -> list:
     model = _mixtral()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    monitor = TorchMonitor(model, optimizer, {"output_dir": str(tmp_path), "strict": True, "sinks": ["jsonl"],
+    monitor = TorchMonitor(model, optimizer, {"output_dir": str(tmp_path), "strict": True, "sinks": list(sinks),
                                               "alerts": RULES})
     gen = torch.Generator().manual_seed(1)
     for step in range(STEPS):
@@ -100,6 +100,32 @@ def test_dead_experts_raise_one_alert_after_their_idle_steps_naming_them(tmp_pat
     assert not _starts(records, "expert_collapse")
     assert all(records[s].metrics[f"router/{ROUTER}/dead"] == 2 for s in range(FAULT_STEP, STEPS))
     assert all(math.isfinite(r.metrics[f"router/{ROUTER}/entropy"]) for r in records)
+
+
+def test_the_load_heatmap_shows_each_routers_experts_over_steps(tmp_path):
+    import io
+
+    import numpy as np
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    bias = torch.zeros(EXPERTS)
+    bias[[5, 6]] = -1e4  # experts 5 and 6 get no token from FAULT_STEP on
+    _train(tmp_path, bias, sinks=[{"name": "router_heatmap", "every": STEPS}])
+    (run_dir,) = {p.parent for p in tmp_path.rglob("events.out.tfevents.*.router_heatmap")}
+    events = EventAccumulator(str(run_dir), size_guidance={"tensors": 0}).Reload()
+    tags = sorted(events.Tags()["tensors"])
+    assert tags == [f"Heatmap/router_load/model.layers.{i}.mlp.gate/steps_0-{STEPS - 1}" for i in range(2)]
+    (image,) = events.Tensors(tags[LAYER])  # TensorBoard's image plugin: width, height, PNG
+    pixels = np.asarray(Image.open(io.BytesIO(image.tensor_proto.string_val[2])).convert("RGB"))
+    height, width = pixels.shape[:2]
+    ys = (2 * np.arange(EXPERTS) + 1) * height // (2 * EXPERTS)  # the centre of each cell: experts x steps
+    xs = (2 * np.arange(STEPS) + 1) * width // (2 * STEPS)
+    cells = pixels[ys][:, xs]
+    bottom = cells[5, FAULT_STEP]  # an expert without tokens: the bottom of the scale
+    assert (cells[5:7, FAULT_STEP:] == bottom).all()
+    assert not (cells[5:7, :FAULT_STEP] == bottom).all(axis=-1).any()
+    assert not (cells[:5, FAULT_STEP:] == bottom).all(axis=-1).any()
 
 
 def _router_table(loads: list[float]):

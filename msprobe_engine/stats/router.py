@@ -8,7 +8,13 @@ micro-batch, rows of kind `router` under the router's module path:
 - `entropy`: one value per token, the entropy of the router's distribution over the
   experts divided by log(number of experts) (0: certain, 1: uniform); its count is the
   number of tokens routed;
-- `topk_prob`: one value per token, the mean probability of the experts chosen for it.
+- `topk_prob`: one value per token, the mean probability of the experts chosen for it;
+- `z_loss`: one value per token, the squared log-sum-exp of its logits (the router z-loss of
+  ST-MoE, before any coefficient; Megatron's `z_loss` logged value);
+- `dropped` (routers with a capacity): a scalar, the token assignments the capacity limit
+  dropped (top-k choices that reached no expert; summed like the loads);
+- `aux_loss` (when the framework computes one): a scalar, the router's load-balancing loss of
+  the micro-batch before its coefficient (averaged over micro-batches and ranks).
 
 From them, per router (`<path>` is the router's module path), the tags::
 
@@ -18,6 +24,9 @@ From them, per router (`<path>` is the router's module path), the tags::
     router/<path>/entropy       mean normalised router entropy
     router/<path>/topk_prob     mean probability of the chosen experts
     router/<path>/dead          experts that received no token on this step
+    router/<path>/z_loss        mean squared log-sum-exp of the logits
+    router/<path>/dropped       token assignments dropped by the capacity (routers with one)
+    router/<path>/aux_loss      the framework's load-balancing loss, unscaled (when it has one)
 """
 from __future__ import annotations
 
@@ -33,6 +42,11 @@ KIND = "router"
 LOAD = "load"
 ENTROPY = "entropy"
 TOPK_PROB = "topk_prob"
+Z_LOSS = "z_loss"
+DROPPED = "dropped"
+AUX_LOSS = "aux_loss"
+#: the rows besides the loads, in the order a router lists them (`dropped`, `aux_loss`: optional)
+OTHER_ROLES = (ENTROPY, TOPK_PROB, Z_LOSS, DROPPED, AUX_LOSS)
 
 
 def load_key(path: str, expert: int) -> MetricKey:
@@ -54,11 +68,14 @@ def expert_of(key: MetricKey) -> int | None:
 @dataclass(frozen=True, slots=True)
 class RouterRows:
     """Where one router's rows are in a table: one load row per expert (in expert order),
-    the entropy row and the top-k probability row (-1: absent)."""
+    and the row of each of `OTHER_ROLES` (-1: absent)."""
     path: str
     loads: np.ndarray
     entropy: int
     topk_prob: int
+    z_loss: int = -1
+    dropped: int = -1
+    aux_loss: int = -1
 
 
 def router_rows(keys: Sequence[MetricKey]) -> list[RouterRows]:
@@ -67,14 +84,14 @@ def router_rows(keys: Sequence[MetricKey]) -> list[RouterRows]:
     for i, key in enumerate(keys):
         if key.kind != KIND:
             continue
-        entry = found.setdefault(key.path, {"loads": {}, ENTROPY: -1, TOPK_PROB: -1})
+        entry = found.setdefault(key.path, {"loads": {}, **dict.fromkeys(OTHER_ROLES, -1)})
         expert = expert_of(key)
         if expert is not None:
             entry["loads"][expert] = i
-        elif key.role in (ENTROPY, TOPK_PROB):
+        elif key.role in OTHER_ROLES:
             entry[key.role] = i
     return [RouterRows(path, np.array([e["loads"][x] for x in sorted(e["loads"])], dtype=np.int64),
-                       e[ENTROPY], e[TOPK_PROB]) for path, e in found.items()]
+                       *(e[role] for role in OTHER_ROLES)) for path, e in found.items()]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +102,9 @@ class RouterHealth:
     tokens: float
     entropy: float
     topk_prob: float
+    z_loss: float = float("nan")
+    dropped: float | None = None  # None: the router has no capacity
+    aux_loss: float | None = None  # None: the framework computes none
 
     @property
     def imbalance(self) -> float:
@@ -108,7 +128,9 @@ def router_health(table: StatTable, rows: Sequence[RouterRows] | None = None) ->
     out = []
     for r in router_rows(table.keys) if rows is None else rows:
         tokens = float(p[r.entropy, P_NUMEL]) if r.entropy >= 0 else float("nan")
-        out.append(RouterHealth(r.path, p[r.loads, P_SUM], tokens, _mean(p, r.entropy), _mean(p, r.topk_prob)))
+        out.append(RouterHealth(r.path, p[r.loads, P_SUM], tokens, _mean(p, r.entropy), _mean(p, r.topk_prob),
+                                _mean(p, r.z_loss), float(p[r.dropped, P_SUM]) if r.dropped >= 0 else None,
+                                _mean(p, r.aux_loss) if r.aux_loss >= 0 else None))
     return out
 
 
@@ -119,7 +141,9 @@ def router_metrics(health: Sequence[RouterHealth]) -> dict[str, float]:
         metrics.update({load_tag(h.path, e): float(v) for e, v in enumerate(h.loads)})
         base = f"{KIND}/{h.path}/"
         metrics.update({base + "tokens": h.tokens, base + "imbalance": h.imbalance, base + ENTROPY: h.entropy,
-                        base + TOPK_PROB: h.topk_prob, base + "dead": float(h.dead.size)})
+                        base + TOPK_PROB: h.topk_prob, base + "dead": float(h.dead.size), base + Z_LOSS: h.z_loss})
+        metrics.update({base + role: value for role, value in ((DROPPED, h.dropped), (AUX_LOSS, h.aux_loss))
+                        if value is not None})
     return metrics
 
 

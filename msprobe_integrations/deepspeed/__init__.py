@@ -13,6 +13,8 @@
 What is read, and where (ZeRO 0/1/2/3; fp32, bf16, fp16):
 - activations: forward hooks on `engine.module` (names without the engine prefix);
   a micro-step is one forward of `engine.module`;
+- router health (`watch.routers`): forward hooks on DeepSpeed MoE's `TopKGate`s
+  (`deepspeed.moe.sharded_moe`, see `routers`) and on transformers' routers;
 - parameter gradients: once per optimizer step, at the accumulation boundary
   before `engine.step()`, divided by the fp16 loss scale (before clipping);
 - fp32 parameters and optimizer state (exp_avg, exp_avg_sq): after the step, with
@@ -39,7 +41,8 @@ safe_get_local_optimizer_state` (ZeRO-3), ZeRO-3 parameter attributes `ds_numel`
 ZeRO-1/2 and BF16_Optimizer: `param._hp_mapping` (`get_lp_grad_fragment`,
 `get_hp_fragment`, `lp_fragment_address`) and `param._index_in_param_group`, the
 links DeepSpeed's own `safe_get_full_*` helpers use; ZeRO-0 fp16/bf16
-(`FP16_UnfusedOptimizer`): `fp16_groups` / `fp32_groups`.
+(`FP16_UnfusedOptimizer`): `fp16_groups` / `fp32_groups`; MoE: `deepspeed.moe.sharded_moe.TopKGate`
+(`wg`, `k`, `drop_tokens`, and what its forward returns).
 
 Not supported: pipeline engines (`PipelineEngine`, an error), optimizer wrappers
 other than those above (a warning; activations and loss are still monitored).
@@ -71,8 +74,10 @@ class DeepSpeedMonitor(Integration):
 
         from msprobe_engine.frameworks.torch import backend as torch_backend
         from msprobe_engine.frameworks.torch.module_hooks import ModuleHooks
+        from msprobe_engine.frameworks.torch.router_hooks import attach_routers
         from msprobe_integrations.deepspeed.hooks import EngineHooks
         from msprobe_integrations.deepspeed.merge import RankMerge
+        from msprobe_integrations.deepspeed.routers import attach_gates
         from msprobe_integrations.deepspeed.shards import shard_reader
 
         config = load_config(config if config is not None else ds_config_block(engine))
@@ -91,7 +96,8 @@ class DeepSpeedMonitor(Integration):
                 monitor.warn("misreported_grad_norm with model parallelism: DeepSpeed's grad norm covers the "
                              "model-parallel ranks, the monitor's only this rank's part; it is not checked")
         reader = shard_reader(engine, dist.get_rank(group) if distributed else 0, reducer.world, monitor.warn)
-        monitor.add_attachment(ModuleHooks(monitor, engine.module), EngineHooks(monitor, engine, reader))
+        monitor.add_attachment(ModuleHooks(monitor, engine.module), EngineHooks(monitor, engine, reader),
+                               *attach_gates(monitor, engine.module), *attach_routers(monitor, engine.module))
         if engine_monitor:
             self._send_to_engine_monitor()
 

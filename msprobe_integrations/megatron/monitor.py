@@ -20,6 +20,7 @@ from msprobe_integrations.megatron.model import describe_problems, num_experts, 
 from msprobe_integrations.megatron.optim import OptimizerTap, check_optimizer, find_slots
 from msprobe_integrations.megatron.parallel import Layout, StatReducer
 from msprobe_integrations.megatron.routers import watch_routers
+from msprobe_integrations.megatron.tp_split import ReplicaSplit
 from msprobe_integrations.megatron.wrapping import MethodWrap
 
 #: the value Megatron's result validation rejected, recorded with the failing step
@@ -39,7 +40,8 @@ class MegatronMonitor(Integration):
     `step_end(loss)` after each `train_step`. Activations come from module hooks
     on every chunk, gradients from the optimizer's `prepare_grads`, weights and
     optimizer state from its `step`; statistics are merged over the tensor- and
-    data-parallel groups with one all-gather each per transfer. The monitor's facade
+    data-parallel groups with one all-gather each per transfer. Under tensor parallelism each
+    replicated activation is measured by one TP rank (`tp_split`). The monitor's facade
     (`history`, `state_dict`, ...) is reached through it.
     """
 
@@ -63,6 +65,8 @@ class MegatronMonitor(Integration):
                           layout={"tp": layout.size(layout.tp_group), "dp": layout.size(layout.dp_group),
                                   "pp": layout.pp_size}, **kwargs)
         super().__init__(monitor)
+        if layout.size(layout.tp_group) > 1:  # replicated activations: each measured by one TP rank
+            ReplicaSplit(monitor, monitor.reducer, layout.tp_group).install()
         problems = describe_problems(chunks, layout.size(layout.tp_group), layout.size(layout.dp_group),
                                      layout.pp_size)
         problems += prefix_if_clashing(chunks)

@@ -10,8 +10,12 @@ transformers 4). Megatron-core's `TopKRouter` is found by the Megatron adapter, 
 
 Per router and micro-batch, `router_rows` makes the rows `stats.router` describes: the
 load of each expert (token assignments, no host sync), the normalised entropy of the router's
-distribution per token, and the mean probability of the chosen experts per token. The
-distribution is the softmax of the logits (`score="sigmoid"`: sigmoid scores, normalised).
+distribution per token, the mean probability of the chosen experts per token and the squared
+log-sum-exp of its logits (z-loss); for a router with a capacity (`RouterSite.capacity`), the
+assignments it dropped (tokens x top-k less those kept: `chosen` is then the map after the
+drop). The distribution is the softmax of the logits (`score="sigmoid"`: sigmoid scores,
+normalised). A framework's load-balancing loss, where it computes one, is the `aux_loss` row
+(`RouterSite.aux_key`).
 """
 from __future__ import annotations
 
@@ -31,20 +35,25 @@ if TYPE_CHECKING:
 
 @dataclass
 class RouterSite:
-    """One router: its reported path, its module, its expert count and top-k, and how its
-    output is read (`read(output) -> (logits, chosen)`, None when the router's own forward
-    is not hooked)."""
+    """One router: its reported path, its module, its expert count and top-k, whether it drops
+    tokens beyond a capacity, and how a forward hook reads it (`read(args, output) -> (logits,
+    chosen, aux_loss or None)`; None when the router's own forward is not hooked). `keys`: the
+    rows of `router_rows`, in order; `aux_key`: the row of the framework's aux loss."""
     path: str
     module: torch.nn.Module
     experts: int
     top_k: int
     score: str = "softmax"
-    read: Callable[[object], tuple[torch.Tensor, torch.Tensor]] | None = None
+    read: Callable[[tuple, object], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] | None = None
+    capacity: bool = False
     keys: list[MetricKey] = field(init=False)
+    aux_key: MetricKey = field(init=False)
 
     def __post_init__(self) -> None:
+        roles = [router.ENTROPY, router.TOPK_PROB, router.Z_LOSS] + ([router.DROPPED] if self.capacity else [])
         self.keys = [router.load_key(self.path, e) for e in range(self.experts)] + [
-            MetricKey(router.KIND, self.path, router.ENTROPY), MetricKey(router.KIND, self.path, router.TOPK_PROB)]
+            MetricKey(router.KIND, self.path, role) for role in roles]
+        self.aux_key = MetricKey(router.KIND, self.path, router.AUX_LOSS)
 
 
 def find_routers(model: torch.nn.Module, rename: Callable[[str], str] = str) -> list[RouterSite]:
@@ -69,10 +78,13 @@ def find_routers(model: torch.nn.Module, rename: Callable[[str], str] = str) -> 
 
 def router_rows(site: RouterSite, logits: torch.Tensor, chosen: torch.Tensor) -> list[torch.Tensor]:
     """The rows' tensors (in `site.keys` order) for one routing: `logits` [..., experts], `chosen`
-    the experts each token was sent to, as indices [..., k] or as a boolean map [..., experts]."""
+    the experts each token was sent to, as indices [..., k] or as a boolean map [..., experts]
+    (after the capacity's drop, for a router with one: its top-k probability is then that of
+    the `top_k` most probable experts)."""
     experts = site.experts
     with torch.no_grad():
         logits = logits.detach().reshape(-1, experts).float()
+        z_loss = torch.logsumexp(logits, dim=-1).square()
         if site.score == "sigmoid":
             scores = torch.sigmoid(logits)
             probs = scores / scores.sum(-1, keepdim=True)
@@ -83,13 +95,19 @@ def router_rows(site: RouterSite, logits: torch.Tensor, chosen: torch.Tensor) ->
         if chosen.dtype == torch.bool:
             routed = chosen.reshape(-1, experts)
             loads = routed.sum(0, dtype=torch.float32)
-            top = (probs * routed).sum(-1) / site.top_k
+            if site.capacity:  # the map lacks the dropped choices: the router's own top-k
+                top = probs.topk(site.top_k, dim=-1).values.mean(-1)
+            else:
+                top = (probs * routed).sum(-1) / site.top_k
         else:
             index = chosen.reshape(-1, chosen.shape[-1]).long()
             loads = torch.zeros(experts, device=probs.device).index_add_(
                 0, index.flatten(), torch.ones(index.numel(), device=probs.device))
             top = probs.gather(1, index).mean(-1)
-    return [*loads.unbind(), entropy, top]
+        rows = [*loads.unbind(), entropy, top, z_loss]
+        if site.capacity:
+            rows.append(logits.shape[0] * site.top_k - loads.sum())
+    return rows
 
 
 class RouterHooks:
@@ -114,23 +132,28 @@ class RouterHooks:
             if not monitor.active or where in monitor.disabled or in_backward():  # recomputation: counted once
                 return
             try:
-                monitor.add_tensors(site.keys, router_rows(site, *site.read(output)))
+                logits, chosen, aux_loss = site.read(args, output)
+                rows = router_rows(site, logits, chosen)
+                if aux_loss is None:
+                    monitor.add_tensors(site.keys, rows)
+                else:
+                    monitor.add_tensors([*site.keys, site.aux_key], [*rows, aux_loss.detach().float()])
             except Exception as exc:
                 monitor.hook_failed(where, exc)
 
         return hook
 
 
-def _logits_and_indices(output) -> tuple[torch.Tensor, torch.Tensor]:
+def _logits_and_indices(args: tuple, output) -> tuple[torch.Tensor, torch.Tensor, None]:
     if not (isinstance(output, tuple) and len(output) >= 2 and not output[-1].is_floating_point()):
         raise TypeError("a router returning (router_logits, ..., router_indices) was expected, got "
                         f"{type(output).__name__}")
-    return output[0], output[-1]
+    return output[0], output[-1], None
 
 
-def _logits_only(top_k: int) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    def read(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return logits, torch.topk(logits.detach(), top_k, dim=-1).indices  # the softmax keeps the order
+def _logits_only(top_k: int) -> Callable[[tuple, torch.Tensor], tuple[torch.Tensor, torch.Tensor, None]]:
+    def read(args: tuple, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return logits, torch.topk(logits.detach(), top_k, dim=-1).indices, None  # the softmax keeps the order
 
     return read
 
