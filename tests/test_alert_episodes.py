@@ -188,3 +188,107 @@ def test_a_trend_incident_names_a_culprit(tmp_path):
     trend = [i for i in monitor.incidents.incidents if i.report["rule"] == "trend"]
     assert trend and trend[0].report["culprit"] is not None, [i.report["culprit"] for i in trend]
     assert trend[0].report["culprit"]["first_bad"].startswith(("grad/", "actv/"))
+
+
+def _spike_rule(**options):
+    from msprobe_engine.config import load_config
+    from msprobe_engine.rules import build_rules
+
+    rule, = build_rules(load_config({"alerts": [{"rule": "spike", "metrics": ["grad/*/norm", "actv/*/norm"],
+                                                 "warmup": 3, **options}]}).alerts)
+    return rule
+
+
+def _episodes(series: list[dict[str, float]], **options) -> list[tuple[str, str, int, float]]:
+    """(phase, tag, step, value) of the alert events of the spike rule over `series`."""
+    from msprobe_engine.rules import AlertTracker
+
+    rule, tracker, events = _spike_rule(**options), AlertTracker(), []
+    for step, metrics in enumerate(series):
+        events += tracker.update(step, rule.evaluate(None, {}, metrics))
+    return [(e.phase, e.tag, e.step, e.value) for e in events]
+
+
+def _steady(steps: int, **spikes: dict[int, float]) -> list[dict[str, float]]:
+    """Two series near 1.0 (grad/a and actv/b, in that order); `spikes[tag]`: step -> value."""
+    series = []
+    for step in range(steps):
+        metrics = {"grad/a/norm": 1.0 + 0.01 * (step % 3), "actv/b/norm": 1.0 - 0.01 * (step % 2)}
+        for name, at in spikes.items():
+            if step in at:
+                metrics[f"{name.replace('_', '/')}/norm"] = at[step]
+        series.append(metrics)
+    return series
+
+
+def test_a_spike_on_another_tag_during_an_episode_s_cooldown_is_a_new_alert():
+    """The issue's case: a (false) gradient spike's episode waits out its cooldown of 20 when a
+    real activation spike comes: that is a new event, alerted; each end names its own tag and
+    carries that tag's value (the old tracker absorbed the second and ended the first with it)."""
+    events = _episodes(_steady(60, grad_a={12: 7.0}, actv_b={20: 13.0}), cooldown=20)
+    assert events == [("start", "grad/a/norm", 12, 7.0), ("start", "actv/b/norm", 20, 13.0),
+                      ("end", "grad/a/norm", 33, 7.0), ("end", "actv/b/norm", 41, 13.0)], events
+
+
+def test_an_episode_s_end_carries_its_own_tag_s_value_when_a_later_step_leads_with_another():
+    """Step 12: grad/a spikes (the episode's tag); step 13 it spikes again, with actv/b (first
+    in execution order, so that step's firing leads with actv/b): one event, whose end names
+    grad/a with grad/a's last value, not actv/b's."""
+    series = _steady(40, grad_a={12: 7.0})
+    series[13] = {"actv/b/norm": 11.0, "grad/a/norm": 8.0}  # actv/b first in the step's metrics
+    events = _episodes(series, cooldown=2)
+    assert events == [("start", "grad/a/norm", 12, 7.0), ("end", "grad/a/norm", 16, 8.0)], events
+
+
+def test_an_episode_s_own_tags_firing_again_in_its_cooldown_continue_it():
+    events = _episodes(_steady(60, grad_a={12: 7.0, 18: 9.0}), cooldown=20)
+    assert events == [("start", "grad/a/norm", 12, 7.0), ("end", "grad/a/norm", 39, 9.0)], events
+
+
+def test_per_tag_episodes_survive_a_restart():
+    """Two open episodes saved and restored: each ends on time, with its own tag and value."""
+    from msprobe_engine.rules import AlertTracker
+
+    series = _steady(60, grad_a={12: 7.0}, actv_b={20: 13.0})
+    rule, tracker, events = _spike_rule(cooldown=20), AlertTracker(), []
+    for step, metrics in enumerate(series):
+        if step == 25:  # a restart: a new rule and tracker from the saved state
+            rule_state, tracker_state = json.loads(json.dumps([rule.state_dict(), tracker.state_dict()]))
+            rule, tracker = _spike_rule(cooldown=20), AlertTracker()
+            rule.load_state_dict(rule_state)
+            tracker.load_state_dict(tracker_state)
+        events += tracker.update(step, rule.evaluate(None, {}, metrics))
+    assert [(e.phase, e.tag, e.step, e.value) for e in events] == [
+        ("start", "grad/a/norm", 12, 7.0), ("start", "actv/b/norm", 20, 13.0),
+        ("end", "grad/a/norm", 33, 7.0), ("end", "actv/b/norm", 41, 13.0)]
+
+
+def test_a_second_collapsing_router_during_a_collapse_s_cooldown_is_a_new_alert():
+    """expert_collapse and dead_experts list their hits too: a router collapsing while another
+    router's episode cools down is its own alert (the step's hits are the new event's: the
+    first episode ends on time, 6 steps after its last own firing)."""
+    from msprobe_engine.rules import AlertTracker, Firing
+
+    def collapse(*layers: str) -> list[Firing]:
+        tags = [f"router/{layer}/load/0" for layer in layers]
+        return [Firing("expert_collapse", "expert_collapse", tags[0], 0.95, 0.9, "continue", also=tuple(tags[1:]),
+                       cooldown=5, parts=tuple((tag, 0.95, 0.9) for tag in tags))] if layers else []
+
+    tracker = AlertTracker()
+    plan = {3: ("l1",), 4: ("l1",), 6: ("l1", "l2"), 7: ("l2",)}
+    events = [e for step in range(20) for e in tracker.update(step, collapse(*plan.get(step, ())))]
+    assert [(e.phase, e.tag, e.step) for e in events] == [
+        ("start", "router/l1/load/0", 3), ("start", "router/l2/load/0", 6),
+        ("end", "router/l1/load/0", 10), ("end", "router/l2/load/0", 13)], events
+
+
+def test_a_real_spike_during_another_spike_s_cooldown_is_alerted_and_named(tmp_path):
+    """full.yaml (cooldown 20): a spike at the head, then 7 steps later one upstream of it (which
+    shows at the head too): two alerts, each named after its layer, each ending with its own tag."""
+    plan = {45: ("head", "spike"), 52: ("blocks.0.fc", "spike")}
+    monitor, _ = run(tmp_path, plan, steps=80)
+    spikes = [(e.phase, e.step, e.tag) for e in monitor.alert_log if e.rule == "spike"]
+    assert [s for s in spikes if s[0] == "start"] == [("start", 45, "actv/head/output/norm"),
+                                                        ("start", 52, "actv/blocks.0.fc/output/norm")], spikes
+    ends = {tag: step for phase, step, tag in spikes if phase == "end"}
+    assert ends == {"actv/head/output/norm": 66, "actv/blocks.0.fc/output/norm": 73}, spikes

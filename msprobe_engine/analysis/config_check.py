@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from msprobe_engine.errors import read_utf8
 from msprobe_engine.incident.environment import ENVIRONMENT_FILE
 
 SECTIONS = ("python", "packages", "frameworks", "env", "world", "hyperparameters", "config", "data", "weights")
@@ -42,11 +43,13 @@ def find_environment(path: Path | str) -> Path:
 def load_environment(path: Path | str) -> dict[str, Any]:
     file = find_environment(path)
     try:
-        document = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{file}: cannot read: {exc}") from None
+        document = json.loads(read_utf8(file))  # a byte that is not UTF-8: its error names file, line, column
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{file}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    except OSError as exc:
+        raise ValueError(f"{file}: cannot read: {exc.strerror or exc}") from None
     if not isinstance(document, dict):
-        raise ValueError(f"{file}: expected a JSON object")
+        raise ValueError(f"{file}: expected a JSON object, got {type(document).__name__}")
     return document
 
 

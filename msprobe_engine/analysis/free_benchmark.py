@@ -7,10 +7,12 @@ steps and ranks, and the worst ``max_rel`` with the call it came from.
 from __future__ import annotations
 
 import csv
+import io
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from msprobe_engine.dump.free_benchmark_files import RESULT_CSV
+from msprobe_engine.errors import read_utf8
 
 
 @dataclass
@@ -39,20 +41,21 @@ def summarize(root: Path | str) -> list[ApiFailures]:
     """Failures per API, the worst first; [] when every compared output passed."""
     by_api: dict[str, ApiFailures] = {}
     for path in result_files(root):
-        with open(path, newline="", encoding="utf-8") as f:
-            for row in csv.DictReader(f):
-                try:
-                    name, rel = row["api_name"], abs(float(row["max_rel"]))
-                    step, rank = int(row["step"]), int(row["rank"] or 0)  # MindSpore's: empty outside distributed runs
-                except (KeyError, ValueError) as exc:
-                    raise ValueError(f"{path}: not a free_benchmark result file ({exc})") from None
-                api = name.rsplit(".", 2)[0]
-                item = by_api.setdefault(api, ApiFailures(api))
-                item.count += 1
-                item.steps.add(step)
-                item.ranks.add(rank)
-                if rel >= item.worst:
-                    item.worst, item.worst_call = rel, name
+        rows = csv.DictReader(io.StringIO(read_utf8(path), newline=""))
+        for row in rows:
+            try:
+                name, rel = row["api_name"], abs(float(row["max_rel"]))
+                step, rank = int(row["step"]), int(row["rank"] or 0)  # MindSpore's: empty outside distributed runs
+            except (KeyError, ValueError, TypeError) as exc:  # TypeError: a short (truncated) row
+                raise ValueError(f"{path}: line {rows.line_num}: not a free_benchmark result row "
+                                 f"({type(exc).__name__}: {exc})") from None
+            api = name.rsplit(".", 2)[0]
+            item = by_api.setdefault(api, ApiFailures(api))
+            item.count += 1
+            item.steps.add(step)
+            item.ranks.add(rank)
+            if rel >= item.worst:
+                item.worst, item.worst_call = rel, name
     return sorted(by_api.values(), key=lambda a: -a.worst)
 
 

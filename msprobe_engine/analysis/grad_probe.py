@@ -15,6 +15,7 @@ compared step, or a drop of more than 0.03 from one step to the next, marks a pr
 from __future__ import annotations
 
 import csv
+import io
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from msprobe_engine.dump.grad_probe_files import SUMMARY_PREFIX
+from msprobe_engine.errors import read_utf8
 
 SUMMARY = "summary"
 FIRST_STEP_MIN = 0.97
@@ -63,15 +65,17 @@ def _param_order(rank_dir: Path, step: int) -> list[str]:
     path = rank_dir / f"{SUMMARY_PREFIX}{step}.csv"
     if not path.is_file():
         raise ValueError(f"{path}: missing (direction files without their summary)")
-    with open(path, newline="", encoding="utf-8") as f:
-        return [row[0] for row in list(csv.reader(f))[1:]]
+    return [row[0] for row in list(csv.reader(io.StringIO(read_utf8(path), newline="")))[1:] if row]
 
 
 def _direction(step_dir: Path, name: str) -> np.ndarray:
     path = step_dir / f"{name}.npy"
     if not path.is_file():
         raise ValueError(f"{path}: missing; level L0 writes no directions (use grad_level L1 or L2)")
-    array = np.load(path)
+    try:
+        array = np.load(path)
+    except (OSError, ValueError, EOFError) as exc:  # truncated, or not a .npy file
+        raise ValueError(f"{path}: cannot load the direction of {name}: {type(exc).__name__}: {exc}") from None
     if array.dtype != bool:
         raise ValueError(f"{path}: expected a bool direction array, got {array.dtype}")
     return array

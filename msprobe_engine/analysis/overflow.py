@@ -24,9 +24,10 @@ from typing import Any
 import yaml
 
 from msprobe_engine.analysis.predecessor_rules import PREDECESSOR_KEY, from_predecessor
-from msprobe_engine.config.yaml_bounded import load_yaml
+from msprobe_engine.config.yaml_bounded import load_yaml, yaml_problem
 from msprobe_engine.dump.reader import DumpError, RankDump, load_dump
 from msprobe_engine.dump.schema import TensorRef, has_nonfinite, iter_tensors, parse_entry_name
+from msprobe_engine.errors import read_utf8
 
 DEFAULT_RULES = Path(__file__).with_name("ignore_rules.yaml")
 MUTATION_RATIO = 1000.0
@@ -76,9 +77,11 @@ def load_ignore_rules(extra: list[Path | str] = ()) -> dict[str, IgnoreRule]:
     rules: dict[str, IgnoreRule] = {}
     for path in [DEFAULT_RULES, *map(Path, extra)]:
         try:
-            doc = load_yaml(path.read_text(encoding="utf-8")) or {}
-        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-            raise ValueError(f"{path}: cannot read ignore rules: {e}") from None
+            doc = load_yaml(read_utf8(path)) or {}  # a byte that is not UTF-8: its error names file, line, column
+        except OSError as e:
+            raise ValueError(f"{path}: cannot read ignore rules: {e.strerror or e}") from None
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: cannot read ignore rules: {yaml_problem(e)}") from None
         items = doc.get("ignore") if isinstance(doc, dict) else None
         if items is None and isinstance(doc, dict) and PREDECESSOR_KEY in doc:  # the predecessor's file
             items = from_predecessor(doc[PREDECESSOR_KEY], path)

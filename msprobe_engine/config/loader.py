@@ -21,11 +21,11 @@ from typing import Any, Union
 import yaml
 
 from msprobe_engine.config import shipped
-from msprobe_engine.errors import ConfigError
+from msprobe_engine.errors import ConfigError, read_utf8
 from msprobe_engine.fields import INT_LIMIT
 from msprobe_engine.config.legacy import LEGACY_KEYS, translate_legacy
 from msprobe_engine.config.schema import MonitorConfig
-from msprobe_engine.config.yaml_bounded import load_yaml
+from msprobe_engine.config.yaml_bounded import load_yaml, yaml_problem
 
 #: mappings and lists nested deeper than this are refused (no config needs more)
 MAX_DEPTH = 32
@@ -70,14 +70,20 @@ def read_file(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found" if not path.exists() else f"{path}: not a regular file")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_utf8(path)
         if not text.strip():
             raise ConfigError(f"{path}: the file is empty (write {{}} for every default)")
         data = json.loads(text) if path.suffix == ".json" else load_yaml(text)
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc}") from None
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path}: cannot parse: {_cut(str(exc), MAX_MESSAGE)}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: cannot parse: line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: cannot parse: {_cut(yaml_problem(exc), MAX_MESSAGE)}") from None
+    except ConfigError:
+        raise
+    except ValueError as exc:  # not UTF-8 (read_utf8 names the file, line and column)
+        raise ConfigError(str(exc)) from None
     except RecursionError:
         raise ConfigError(f"{path}: cannot parse: nested deeper than {MAX_DEPTH} levels") from None
     if data is None:

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from msprobe_engine.dump.schema import TensorRef, validate_dump_json, validate_entry
+from msprobe_engine.errors import read_utf8
 from msprobe_engine.registry import framework_where, load_framework
 
 DUMP_JSON = "dump.json"
@@ -42,14 +43,15 @@ class DumpError(ValueError):
 def read_json(path: Path) -> Any:
     """Parse a JSON file (NaN/Infinity allowed); errors name the file, line and column."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        return json.loads(read_utf8(path))
     except FileNotFoundError:
         raise DumpError(f"{path}: file not found") from None
     except json.JSONDecodeError as e:
         raise DumpError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
-    except (OSError, UnicodeDecodeError) as e:
+    except OSError as e:
         raise DumpError(f"{path}: cannot read: {e}") from None
+    except ValueError as e:  # not UTF-8 (read_utf8 names the file, line and column)
+        raise DumpError(str(e)) from None
 
 
 @dataclass

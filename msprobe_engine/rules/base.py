@@ -30,6 +30,9 @@ class Firing:
     action: str
     also: tuple[str, ...] = ()  # other tags firing in the same episode (e.g. parent modules)
     cooldown: int = 0  # clean evaluations after the last firing that still belong to the episode
+    #: every (tag, value, threshold) that fired, the lead's included, in execution order: when
+    #: given, episodes are tracked per tag (`rules.episodes`); empty: one episode per `episode`
+    parts: tuple[tuple[str, float, float | None], ...] = ()
 
 
 class Rule:

@@ -38,7 +38,8 @@ class DeadExpertsRule(Rule):
         if not dead:
             return []
         return [Firing(self.name, self.name, dead[0], 0.0, float(self.config.steps), self.action,
-                       also=tuple(dead[1:]), cooldown=self.config.cooldown)]
+                       also=tuple(dead[1:]), cooldown=self.config.cooldown,
+                       parts=tuple((tag, 0.0, float(self.config.steps)) for tag in dead))]
 
     def blame(self, table: StatTable, deviation: np.ndarray) -> np.ndarray:
         """The load rows of the dead experts."""

@@ -30,7 +30,8 @@ class ExpertCollapseRule(Rule):
             return []
         tags = [router.load_tag(h.path, int(np.argmax(h.loads))) for h, _ in hits]
         return [Firing(self.name, self.name, tags[0], hits[0][1], self.config.share, self.action,
-                       also=tuple(tags[1:]), cooldown=self.config.cooldown)]
+                       also=tuple(tags[1:]), cooldown=self.config.cooldown,
+                       parts=tuple((tag, share, self.config.share) for tag, (_, share) in zip(tags, hits)))]
 
     def blame(self, table: StatTable, deviation: np.ndarray) -> np.ndarray:
         """The rows of the collapsed routers."""

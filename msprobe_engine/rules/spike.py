@@ -35,7 +35,7 @@ class SpikeRule(Rule):
         factor: float = field(default=5.0, metadata=between(1.0, 1e12))
         warmup: int = field(default=10, metadata=between(0, 1_000_000))
         smoothing: float = field(default=0.9, metadata=between(0.0, 0.999))
-        deviations: float = field(default=6.0, metadata=between(0.0, 1e12))
+        deviations: float = field(default=8.0, metadata=between(0.0, 1e12))
 
     def __init__(self, config: "SpikeRule.Config") -> None:
         super().__init__(config)

@@ -3,7 +3,7 @@
 A spike in one layer shows in that layer, in every parent module that returns its output,
 and downstream of it: all of that is one event. `one_episode` reports it as one `Firing`
 named after the innermost module of the first hit (execution order), with the other tags
-in `also`.
+in `also` and every hit in `parts` (so that `AlertTracker` follows its episodes per tag).
 """
 from __future__ import annotations
 
@@ -67,14 +67,23 @@ def innermost(tags: list[str]) -> int:
     return best
 
 
-def one_episode(rule: Rule, hits: list[tuple[str, float, float | None]]) -> list[Firing]:
+Hit = tuple[str, float, float | None]  # (tag, value, threshold)
+
+
+def one_episode(rule: Rule, hits: list[Hit]) -> list[Firing]:
     """All of a step's (tag, value, threshold) hits of `rule` as one firing (one episode)."""
     if not hits:
         return []
+    return [grouped(hits, rule.name, rule.name, rule.action, rule.config.cooldown)]
+
+
+def grouped(hits: list[Hit], rule: str, episode: str, action: str, cooldown: int) -> Firing:
+    """`hits` (at least one) as one firing named after the innermost module of the first hit,
+    the other tags in `also` (at most `MAX_ALSO`), every hit in `parts`."""
     lead = innermost([tag for tag, _, _ in hits])
     tag, value, threshold = hits[lead]
     others = [t for i, (t, _, _) in enumerate(hits) if i != lead]
     if len(others) > MAX_ALSO:
         others = others[:MAX_ALSO] + [f"+{len(others) - MAX_ALSO} more"]
-    return [Firing(rule.name, rule.name, tag, value, threshold, rule.action, also=tuple(others),
-                   cooldown=rule.config.cooldown)]
+    return Firing(rule, episode, tag, value, threshold, action, also=tuple(others), cooldown=cooldown,
+                  parts=tuple(hits))

@@ -12,11 +12,13 @@ Rows are flushed as they are written, so an interrupted run leaves every finishe
 from __future__ import annotations
 
 import csv
+import io
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from msprobe_engine.analysis.precheck.standards import DETAIL_COLUMNS, SKIP, SPACE, OutputCheck, worst
+from msprobe_engine.errors import read_utf8
 
 RESULT_PREFIX, DETAILS_PREFIX = "accuracy_checking_result_", "accuracy_checking_details_"
 RESULT_COLUMNS = ("API name", "Forward Test Success", "Backward Test Success", "Message")
@@ -67,8 +69,8 @@ class PrecheckReport:
         if previous:
             self.result_path = previous[-1]
             self.details_path = self.result_path.with_name(self.result_path.name.replace(RESULT_PREFIX, DETAILS_PREFIX))
-            with open(self.result_path, newline="", encoding="utf-8") as f:
-                self.done = {row[0] for row in list(csv.reader(f))[1:] if row}
+            rows = csv.reader(io.StringIO(read_utf8(self.result_path), newline=""))
+            self.done = {row[0] for row in list(rows)[1:] if row}
         else:
             stamp = time.strftime("%Y%m%d%H%M%S")
             self.result_path = self.out_dir / f"{RESULT_PREFIX}{stamp}.csv"
