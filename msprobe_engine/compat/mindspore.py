@@ -25,6 +25,7 @@ from msprobe_engine.compat.debugger import CompatDebugger
 from msprobe_engine.compat.seed_check import check_seed_arguments
 from msprobe_engine.errors import ConfigError
 
+__all__ = ["PrecisionDebugger", "seed_all"]
 #: the predecessor's MindSpore names not provided, and what to use instead
 NOT_PROVIDED = {
     "TrainerMon": "msprobe_integrations.mindspore (this project's MindSpore monitor)",
