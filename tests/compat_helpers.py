@@ -13,6 +13,27 @@ ROOT = Path(__file__).resolve().parents[1]
 #: (the predecessor's import, ours) of each drop-in
 PYTORCH_IMPORTS = ("from msprobe.pytorch import", "from msprobe_engine.compat import")
 MINDSPORE_IMPORTS = ("from msprobe.mindspore import", "from msprobe_engine.compat.mindspore import")
+#: lines run before the predecessor's MindSpore code on CPU: its statistics call `mint.norm`, whose
+#: kernel is not registered on MindSpore's CPU backend; here ``norm`` is ``sqrt(sum(x * x))``
+CPU_NORM = """
+import msprobe.core.dump.data_dump.data_processor.mindspore_processor as _processor
+from mindspore import ops as _ops
+
+
+class _CpuMint:
+    def __init__(self, mint):
+        self._mint = mint
+
+    def __getattr__(self, name):
+        return getattr(self._mint, name)
+
+    @staticmethod
+    def norm(x):
+        return _ops.sqrt(_ops.sum(x * x))
+
+
+_processor.mint = _CpuMint(_processor.mint)
+"""
 
 
 def run_example(name: str, tmp: Path, ours: bool, config: dict | None = None, dump_config: bool = True,

@@ -81,6 +81,28 @@ def test_trainer_mon_example_trains_the_same_and_records_every_step(tmp_path):
     assert {"grad/layers.0.weight/norm", "optim/layers.1.weight/exp_avg/norm"} <= tags
 
 
+@pytest.mark.slow
+def test_trainer_mon_mg_direction_is_the_predecessors(tmp_path):
+    """Its monitor config with ``mg_direction: true``: its per-parameter values (its "other" CSV
+    files, 6 digits) are ours (`watch.health.mg_direction`) from the second step on."""
+    config = {**json.loads((ROOT / "configs" / "predecessor_monitor.json").read_text()), "format": "csv",
+              "mg_direction": True}
+    their_out, _ = _run_example("trainer_mon.py", tmp_path, ours=False, config=config, dump_config=False)
+    dump_path, _ = _run_example("trainer_mon.py", tmp_path, ours=True, config=config, dump_config=False)
+    theirs = {}
+    for file in their_out.glob("*/other_*.csv"):
+        for row in csv.DictReader(file.open()):
+            theirs[int(row["step"]), row["name"]] = float(row["norm"])
+    ours = {(int(r["step"]), r["tag"].split("/")[1]): float(r["value"])
+            for r in csv.DictReader((dump_path / "rank0" / "metrics.csv").open())
+            if r["tag"].endswith("/mg_direction/norm")}
+    assert sorted(ours) == sorted(key for key in theirs if key[0] > 0) and len(ours) == 8
+    assert all(theirs[key] == 1.0 for key in theirs if key[0] == 0)  # its first step: 1.0 by definition
+    for key, value in ours.items():
+        assert value == pytest.approx(theirs[key], abs=1e-6), key
+    assert len({round(v, 6) for v in ours.values()}) > 2  # not a constant
+
+
 # ---- the calls, in this process ------------------------------------------------------------------
 @pytest.fixture
 def fresh():

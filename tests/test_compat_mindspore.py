@@ -13,29 +13,10 @@ from __future__ import annotations
 import pytest
 
 from msprobe_engine.errors import ConfigError
-from tests.compat_helpers import MINDSPORE_IMPORTS, run_example, same_records, step_documents
+from tests.compat_helpers import CPU_NORM, MINDSPORE_IMPORTS, run_example, same_records, step_documents
 
 pytestmark = pytest.mark.slow
 
-CPU_NORM = """
-import msprobe.core.dump.data_dump.data_processor.mindspore_processor as _processor
-from mindspore import ops as _ops
-
-
-class _CpuMint:
-    def __init__(self, mint):
-        self._mint = mint
-
-    def __getattr__(self, name):
-        return getattr(self._mint, name)
-
-    @staticmethod
-    def norm(x):
-        return _ops.sqrt(_ops.sum(x * x))
-
-
-_processor.mint = _CpuMint(_processor.mint)
-"""
 #: what the predecessor dumps at L1 and we leave out (metadata calls: `capture.apis.METADATA_PRIMITIVES`)
 THEIRS_ONLY = ("Primitive.shape_op.Shape.", "Functional.shape.")
 

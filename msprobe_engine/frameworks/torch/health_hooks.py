@@ -4,21 +4,25 @@ Each signal adds rows (`MetricKey`) whose values are derived tensors; the config
 (`stats:` mean, max, min, ...) summarise them like any other row, so no host sync is added and
 micro-batches and ranks merge as usual. All are off by default (docs/model_health.md):
 
-- ``attention_entropy``: for each attention module (its class name holds ``Attention``) whose
-  forward returns the attention probabilities as its second output (transformers' eager
-  attention; SDPA and flash kernels return none, and are not measured), the entropy (nats) of
-  each query's distribution, ``health/<path>/attn_entropy/<stat>``, and its largest
-  probability, ``health/<path>/attn_max_prob/<stat>``;
+- ``attention_entropy``: for each attention module (its class name holds ``Attention``), the
+  entropy (nats) of each query's distribution over the keys, ``health/<path>/attn_entropy/<stat>``,
+  and its largest probability, ``health/<path>/attn_max_prob/<stat>``: of every query when the
+  forward returns the probabilities as its second output (transformers' eager attention), else,
+  when it calls ``torch.nn.functional.scaled_dot_product_attention`` (SDPA), recomputed from its
+  q and k for a sample (`SAMPLED_QUERIES` queries evenly spaced, of the first batch element,
+  every head; its mask and ``is_causal`` applied; a query masked from every key counts as all
+  zeros): a cost of ``heads x 16 x keys x head_dim``
+  multiply-adds per call; other kernels (flash) are not measured;
 - ``stable_rank_every: N``: every N-th monitored step, before the optimizer step, the stable rank
   ``||W||_F^2 / sigma_max(W)^2`` of each 2-D trainable weight, ``health/<param>/stable_rank/<stat>``;
   sigma_max by `stable_rank_iterations` power iterations from the previous step's vector (a warm
   start: the estimate converges over the steps; it never exceeds the true sigma_max, so the
   reported stable rank is an upper bound that tightens);
-- ``mg_direction``: before the optimizer step, per parameter, ``(sign(grad) * sign(exp_avg) + 1) / 2``
-  element-wise (exp_avg: Adam's first moment from the previous step, SGD's momentum buffer); its
-  mean is the predecessor's ``mg_direction`` (the share of elements whose gradient agrees in sign
-  with the momentum; zeros count half), ``optim/<param>/mg_direction/mean``; nothing at the first
-  step (no moment yet);
+- ``mg_direction``: before the optimizer step, per parameter, the predecessor's ``mg_direction``
+  ``(sum(sign(grad) * sign(exp_avg)) / numel + 1) / 2`` (exp_avg: Adam's first moment from the
+  previous step, SGD's momentum buffer): the share of elements whose gradient agrees in sign with
+  the momentum, zeros counting half; one number per parameter, so every statistic of
+  ``optim/<param>/mg_direction/<stat>`` is it; nothing at the first step (no moment yet);
 - ``micro_batch_grads``: the gradient each backward pass adds, all parameters together, per
   micro-batch ``k`` (1, 2, ... within the step, counted by the model's forward calls with
   autograd on), ``health/grad_micro_batch/<k>/norm`` (its norm; the other statistics too).
@@ -29,6 +33,8 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from msprobe_engine.frameworks.torch import compiled_hooks
 from msprobe_engine.frameworks.torch.module_hooks import in_backward
@@ -41,6 +47,8 @@ if TYPE_CHECKING:
 
 KIND = "health"
 MICRO_BATCH_PATH = "grad_micro_batch"
+#: queries per SDPA call whose attention is recomputed for the entropy
+SAMPLED_QUERIES = 16
 
 
 def attach_health(monitor: "MonitorPort", model: torch.nn.Module, optimizer: Any) -> list["HealthHooks"]:
@@ -64,7 +72,9 @@ class HealthHooks(Handles):
         if self.config.attention_entropy:
             for path, module in model.named_modules():
                 if "Attention" in type(module).__name__:
-                    self.handles.append(module.register_forward_hook(partial(self._attention, path or "model")))
+                    sampler = _SdpaSample(self, path or "model")
+                    self.handles += [module.register_forward_pre_hook(sampler.begin),
+                                     module.register_forward_hook(sampler.end, always_call=True)]
         if self.config.micro_batch_grads:
             self.handles.append(model.register_forward_pre_hook(self._forward_begins))
             self.handles += [p.register_hook(self._micro_batch_grad) for _, p in self.params]
@@ -72,18 +82,17 @@ class HealthHooks(Handles):
             self.handles.append(optimizer.register_step_pre_hook(self._before_step))
 
     # ---- attention ------------------------------------------------------------------------------
-    def _attention(self, path: str, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def wants_attention(self) -> bool:
         monitor = self.monitor
-        if not monitor.active or monitor.replaying or in_backward():
-            return
-        probs = output[1] if isinstance(output, tuple) and len(output) > 1 else None
-        if not isinstance(probs, torch.Tensor) or probs.dim() < 3 or not probs.is_floating_point():
-            return
-        with monitor.guard("attention entropy hook"), torch.no_grad():
+        return monitor.active and not monitor.replaying and not in_backward()
+
+    def add_attention(self, path: str, probs: torch.Tensor) -> None:
+        """Rows of the entropy and the largest probability of each query of `probs` [..., keys]."""
+        with self.monitor.guard("attention entropy hook"), torch.no_grad():
             p = probs.detach().float()
             entropy = -torch.special.xlogy(p, p).sum(-1)
-            monitor.add_tensors([MetricKey(KIND, path, "attn_entropy"), MetricKey(KIND, path, "attn_max_prob")],
-                                [entropy, p.amax(-1)])
+            self.monitor.add_tensors([MetricKey(KIND, path, "attn_entropy"), MetricKey(KIND, path, "attn_max_prob")],
+                                     [entropy, p.amax(-1)])
 
     # ---- before the optimizer step: stable rank, mg_direction -----------------------------------
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -104,7 +113,8 @@ class HealthHooks(Handles):
                     moment = _moment(optimizer.state.get(p, {}))
                     if p.grad is not None and moment is not None:
                         keys.append(MetricKey("optim", name, "mg_direction"))
-                        tensors.append((p.grad.sign() * moment.sign()).add_(1).mul_(0.5))
+                        agree = (p.grad.sign() * moment.sign()).sum(dtype=torch.float32) / max(moment.numel(), 1)
+                        tensors.append(agree.add_(1).mul_(0.5))
             if keys:
                 monitor.add_tensors(keys, tensors)
 
@@ -136,6 +146,62 @@ class HealthHooks(Handles):
             with monitor.guard("micro-batch gradient hook"):
                 monitor.add_tensors([MetricKey(KIND, MICRO_BATCH_PATH, str(max(self._micro_step[1], 1)))],
                                     [grad.detach()])
+
+
+class _SdpaSample(TorchFunctionMode):
+    """Around one attention module's forward: its returned probabilities, or (SDPA) a sample
+    recomputed from the q and k it passes to ``scaled_dot_product_attention``."""
+
+    def __init__(self, hooks: HealthHooks, path: str) -> None:
+        super().__init__()
+        self.hooks, self.path = hooks, path
+        self.on = False
+        self.sampled = False
+
+    def begin(self, module: torch.nn.Module, args: Any) -> None:
+        if self.hooks.wants_attention() and not self.on:
+            self.on, self.sampled = True, False
+            self.__enter__()
+
+    def end(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not self.on:
+            return
+        self.on = False
+        self.__exit__(None, None, None)
+        probs = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+        if not self.sampled and isinstance(probs, torch.Tensor) and probs.dim() >= 3 and probs.is_floating_point():
+            self.hooks.add_attention(self.path, probs)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and not self.sampled:
+            self.sampled = True
+            with self.hooks.monitor.guard("attention entropy hook"), torch.no_grad():
+                self.hooks.add_attention(self.path, _sampled_probs(*args, **kwargs))
+        return func(*args, **kwargs)
+
+
+def _sampled_probs(query: torch.Tensor, key: torch.Tensor, value: Any = None, attn_mask: Any = None,
+                   dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                   enable_gqa: bool = False) -> torch.Tensor:
+    """The attention probabilities of `SAMPLED_QUERIES` queries of the first batch element, every
+    head, as SDPA computes them (before dropout): [heads, sampled, keys]."""
+    q, k = query.detach()[0].float(), key.detach()[0].float()  # [heads, L, d], [kv heads, S, d]
+    if k.shape[0] != q.shape[0]:
+        k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)
+    length, keys = q.shape[-2], k.shape[-2]
+    rows = torch.linspace(0, length - 1, min(SAMPLED_QUERIES, length), device=q.device).round().long()
+    scores = (q[:, rows] @ k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if is_causal:
+        allowed = torch.arange(keys, device=q.device)[None, :] <= rows[:, None]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    if isinstance(attn_mask, torch.Tensor):
+        mask = attn_mask.detach()
+        mask = mask.expand(*mask.shape[:-2], length, keys) if mask.dim() >= 2 else mask
+        mask = mask.reshape(-1, length, keys)[0] if mask.dim() > 2 else mask  # first batch element (broadcast heads)
+        mask = mask[rows]
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
+    return torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # a query that may see no key: zeros, not nan
 
 
 def _moment(state: dict) -> torch.Tensor | None:
