@@ -155,21 +155,26 @@ class _SdpaSample(TorchFunctionMode):
     def __init__(self, hooks: HealthHooks, path: str) -> None:
         super().__init__()
         self.hooks, self.path = hooks, path
-        self.on = False
+        self.on = self.entered = False
         self.sampled = False
+        #: the module returned its probabilities last time: no mode needed (eager attention)
+        self.returns_probs = False
 
     def begin(self, module: torch.nn.Module, args: Any) -> None:
         if self.hooks.wants_attention() and not self.on:
-            self.on, self.sampled = True, False
-            self.__enter__()
+            self.on, self.sampled, self.entered = True, False, not self.returns_probs
+            if self.entered:
+                self.__enter__()
 
     def end(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if not self.on:
             return
         self.on = False
-        self.__exit__(None, None, None)
+        if self.entered:
+            self.__exit__(None, None, None)
         probs = output[1] if isinstance(output, tuple) and len(output) > 1 else None
-        if not self.sampled and isinstance(probs, torch.Tensor) and probs.dim() >= 3 and probs.is_floating_point():
+        self.returns_probs = isinstance(probs, torch.Tensor) and probs.dim() >= 3 and probs.is_floating_point()
+        if not self.sampled and self.returns_probs:
             self.hooks.add_attention(self.path, probs)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
