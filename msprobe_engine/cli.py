@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from msprobe_engine.analysis import config_check
+from msprobe_engine.analysis.precheck import precision_compare
 from msprobe_engine.cli_input import NothingToCheck, bounded_int, finite_float, run_verb, safe_streams
 
 
@@ -393,6 +394,9 @@ VERBS: dict[str, Verb] = {
     "config-check": Verb("what differs between two runs: Python, packages, numerics env vars, config, "
                          "data-order and weight fingerprints (first difference first)",
                          config_check.arguments, config_check.run),
+    "api_precision_compare": Verb("two devices' run_ut details compared (the predecessor's -npu/-gpu tool): "
+                                  "which APIs are worse on the device than on the reference",
+                                  precision_compare.arguments, precision_compare.run),
 }
 
 

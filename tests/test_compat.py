@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,58 +18,9 @@ import torch.nn as nn
 
 from msprobe_engine.compat import PrecisionDebugger, TrainerMon, module_dump, module_dump_end, seed_all
 from msprobe_engine.errors import ConfigError
+from tests.compat_helpers import run_example as _run_example, same_records as _same_records, step_documents as _steps
 
-EXAMPLES = Path(__file__).resolve().parent / "fixtures" / "predecessor_examples"
 ROOT = Path(__file__).resolve().parents[1]
-THEIR_IMPORT = "from msprobe.pytorch import"
-OUR_IMPORT = "from msprobe_engine.compat import"
-
-
-def _run_example(name: str, tmp: Path, ours: bool, config: dict | None = None,
-                 dump_config: bool = True) -> tuple[Path, str]:
-    """Run example `name` (ours: with the import line changed) with `config` (a dump config gets
-    the run's dump_path); (its dump_path or monitor output directory, its output)."""
-    text = (EXAMPLES / name).read_text(encoding="utf-8")
-    assert text.count(THEIR_IMPORT) == 1
-    side = "ours" if ours else "theirs"
-    script = tmp / f"{side}_{name}"
-    script.write_text(text.replace(THEIR_IMPORT, OUR_IMPORT) if ours else text, encoding="utf-8")
-    dump_path = tmp / f"{side}_{Path(name).stem}"
-    config_path = tmp / f"{side}_{Path(name).stem}.json"
-    extra = {"dump_path": str(dump_path)} if dump_config else {}
-    config_path.write_text(json.dumps({**(config or {}), **extra}), encoding="utf-8")
-    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
-           "MONITOR_OUTPUT_DIR": str(dump_path), "MSPROBE_RUN_NAME": "."}
-    done = subprocess.run([sys.executable, str(script), str(config_path), str(dump_path)], capture_output=True,
-                          text=True, timeout=300, env=env, cwd=tmp)
-    assert done.returncode == 0, f"{side} {name} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
-    return dump_path, done.stdout
-
-
-def _steps(dump_path: Path, file: str = "dump.json") -> dict[str, dict]:
-    """step directory name -> the one rank directory's `file`, parsed."""
-    out = {}
-    for step_dir in sorted(dump_path.glob("step*")):
-        (rank_dir,) = [d for d in step_dir.iterdir() if d.is_dir() and not d.name.startswith(".")]
-        out[step_dir.name] = json.loads((rank_dir / file).read_text(encoding="utf-8"))
-    return out
-
-
-def _same_records(ours, theirs, where: str) -> None:
-    """Records equal field for field; statistics to float32 rounding (ours sum in float64)."""
-    if isinstance(theirs, dict):
-        assert isinstance(ours, dict) and list(ours) == list(theirs), where
-        for key in theirs:
-            if key in ("Max", "Min", "Mean", "Norm") and isinstance(theirs[key], float):
-                assert math.isclose(ours[key], theirs[key], rel_tol=1e-6, abs_tol=1e-7), f"{where}.{key}"
-            else:
-                _same_records(ours[key], theirs[key], f"{where}.{key}")
-    elif isinstance(theirs, list):
-        assert isinstance(ours, list) and len(ours) == len(theirs), where
-        for i, (a, b) in enumerate(zip(ours, theirs)):
-            _same_records(a, b, f"{where}[{i}]")
-    else:
-        assert ours == theirs, where
 
 
 # ---- the documented examples, with one import changed ------------------------------------------
@@ -131,6 +79,28 @@ def test_trainer_mon_example_trains_the_same_and_records_every_step(tmp_path):
     assert steps == [0, 1, 2]
     tags = {r["tag"] for r in rows}
     assert {"grad/layers.0.weight/norm", "optim/layers.1.weight/exp_avg/norm"} <= tags
+
+
+@pytest.mark.slow
+def test_trainer_mon_mg_direction_is_the_predecessors(tmp_path):
+    """Its monitor config with ``mg_direction: true``: its per-parameter values (its "other" CSV
+    files, 6 digits) are ours (`watch.health.mg_direction`) from the second step on."""
+    config = {**json.loads((ROOT / "configs" / "predecessor_monitor.json").read_text()), "format": "csv",
+              "mg_direction": True}
+    their_out, _ = _run_example("trainer_mon.py", tmp_path, ours=False, config=config, dump_config=False)
+    dump_path, _ = _run_example("trainer_mon.py", tmp_path, ours=True, config=config, dump_config=False)
+    theirs = {}
+    for file in their_out.glob("*/other_*.csv"):
+        for row in csv.DictReader(file.open()):
+            theirs[int(row["step"]), row["name"]] = float(row["norm"])
+    ours = {(int(r["step"]), r["tag"].split("/")[1]): float(r["value"])
+            for r in csv.DictReader((dump_path / "rank0" / "metrics.csv").open())
+            if r["tag"].endswith("/mg_direction/norm")}
+    assert sorted(ours) == sorted(key for key in theirs if key[0] > 0) and len(ours) == 8
+    assert all(theirs[key] == 1.0 for key in theirs if key[0] == 0)  # its first step: 1.0 by definition
+    for key, value in ours.items():
+        assert value == pytest.approx(theirs[key], abs=1e-6), key
+    assert len({round(v, 6) for v in ours.values()}) > 2  # not a constant
 
 
 # ---- the calls, in this process ------------------------------------------------------------------

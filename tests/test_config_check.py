@@ -12,26 +12,21 @@ from msprobe_engine import Monitor
 from msprobe_engine.analysis.config_check import differences, load_environment
 from msprobe_engine.cli import main
 from msprobe_engine.frameworks.torch.fingerprint import batch_fingerprint, weight_fingerprints
+from tests.monitor_run_helpers import monitored_run
 
 
 def _run(out, monkeypatch, *, nccl: str, lr_stat: str, seed: int, data_seed: int):
     monkeypatch.setenv("NCCL_ALGO", nccl)
     torch.manual_seed(seed)
     model = nn.Linear(4, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    mon = Monitor({"output_dir": str(out), "run_name": "run", "sinks": ["jsonl"], "stats": ["norm", lr_stat],
-                   "strict": True}).attach(model, opt)
-    mon.record_environment(hyperparameters={"lr": 0.1, "batch_size": 3}, weights=weight_fingerprints(model))
+    config = {"output_dir": str(out), "run_name": "run", "sinks": ["jsonl"], "stats": ["norm", lr_stat], "strict": True}
     g = torch.Generator().manual_seed(data_seed)
     batches = [torch.randn(3, 4, generator=g) for _ in range(3)]
-    mon.record_environment(data={"batches": [batch_fingerprint(b) for b in batches]})
-    for batch in batches:
-        model(batch).sum().backward()
-        opt.step()
-        opt.zero_grad()
-        mon.step_end()
-    mon.close()
-    return out / "run"
+
+    def record(mon):
+        mon.record_environment(hyperparameters={"lr": 0.1, "batch_size": 3}, weights=weight_fingerprints(model))
+        mon.record_environment(data={"batches": [batch_fingerprint(b) for b in batches]})
+    return monitored_run(model, config, batches, record)
 
 
 def test_the_same_run_twice_has_no_difference(tmp_path, monkeypatch):

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from msprobe_engine import Monitor
 from msprobe_engine.analysis.divergence import first_dump_divergence, first_run_divergence
 from msprobe_engine.cli import main
 from msprobe_engine.dump import PrecisionDebugger
+from tests.monitor_run_helpers import monitored_run
 
 
 def _model(changed: bool) -> nn.Module:
@@ -70,18 +70,10 @@ def test_a_tolerance_above_the_change_finds_none(tmp_path):
 
 
 def _run(out, changed: bool):
-    model = _model(changed)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    mon = Monitor({"output_dir": str(out), "run_name": "run", "sinks": ["jsonl"], "strict": True,
-                   "watch": {"module_outputs": True, "param_grads": True}}).attach(model, opt)
     g = torch.Generator().manual_seed(1)
-    for _ in range(2):
-        model(torch.randn(3, 4, generator=g)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-        mon.step_end()
-    mon.close()
-    return out / "run"
+    return monitored_run(_model(changed), {"output_dir": str(out), "run_name": "run", "sinks": ["jsonl"], "strict": True,
+                                           "watch": {"module_outputs": True, "param_grads": True}},
+                         [torch.randn(3, 4, generator=g) for _ in range(2)])
 
 
 def test_first_divergent_tag_of_two_runs_names_its_module(tmp_path, capsys):

@@ -39,7 +39,8 @@ def test_its_full_monitor_config_loads_and_maps(tmp_path, caplog):
         "exp_avg", "exp_avg_sq", "update", "ratio"]
     assert [s.name for s in cfg.sinks] == ["csv"] and cfg.incidents.enabled is False  # alert.dump: false
     warned = caplog.text
-    assert "mg_direction=True is accepted but not measured here" in warned and "watch.optimizer_state" in warned
+    assert cfg.watch.health.mg_direction and not cfg.watch.health.micro_batch_grads  # measured now (model health)
+    assert "mg_direction" not in warned
     assert "op 'id' is accepted but not a statistic here" in warned
     assert "cc_distribution" not in warned and "eps" not in warned  # at their defaults: silent
 

@@ -7,7 +7,8 @@
 
 The rest of a script written for mindstudio-probe runs unchanged: the same config.json and
 monitor JSON, the same calls and arguments, the same dump layout and names (docs/predecessor.md).
-Names load on first use, so importing this package imports no framework.
+Names load on first use, so importing this package imports no framework. The MindSpore
+drop-in is `msprobe_engine.compat.mindspore` (``from msprobe.mindspore import ...``).
 """
 from __future__ import annotations
 

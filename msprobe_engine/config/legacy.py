@@ -24,14 +24,13 @@ NOT_MEASURED_OPS = {"id": "tags name every tensor", "shape": "dumps record shape
                     "dtype": "dumps record dtypes"}
 #: predecessor rule names (alert.rules[].rule_name)
 LEGACY_RULES = ("AnomalyTurbulence", "AnomalyNan")
+#: its keys of model-health signals -> ours in watch.health
+HEALTH_KEYS = {"mg_direction": "mg_direction", "monitor_mbs_grad": "micro_batch_grads"}
 #: its keys for what is not measured here: (default value, what to use instead)
 NOT_MEASURED: dict[str, tuple[Any, str]] = {
-    "mg_direction": (False, "the sign agreement of momentum and gradient is not measured; "
-                            "watch.optimizer_state [exp_avg] and watch.param_grads give both"),
     "cc_distribution": ({}, "collectives are not watched by the monitor; dump them (level L1) instead"),
     "stack_info": (False, "the dump writes stack.json"),
     "print_struct": (False, "module paths are the tags' <path> part"),
-    "monitor_mbs_grad": (False, "gradients are watched once per optimizer step"),
     "recording_l2_features": (False, "use watch.module_inputs / module_outputs"),
     "l2_targets": ({}, "use modules.names"),
     "append_output": ([], "runs append to output_dir by their own directory"),
@@ -46,7 +45,7 @@ NOT_MEASURED: dict[str, tuple[Any, str]] = {
 LEGACY_KEYS = ("targets", "all_xy", "xy_distribution", "forward_only", "backward_only",
                "wg_distribution", "param_distribution", "mv_distribution", "ur_distribution",
                "ops", "format", "start_step", "step_interval", "collect_times", "alert",
-               "module_ranks", *NOT_MEASURED)
+               "module_ranks", *HEALTH_KEYS, *NOT_MEASURED)
 
 
 def translate_legacy(data: dict) -> dict:
@@ -86,6 +85,12 @@ def translate_legacy(data: dict) -> dict:
     given = [key for key in ("mv_distribution", "ur_distribution") if key in data]
     if given:
         put("watch", "optimizer_state", states, " and ".join(given))
+    for legacy in HEALTH_KEYS:
+        if legacy in data and not isinstance(data[legacy], bool):
+            raise ConfigError(f"{legacy}: expected true or false, got {_show(data[legacy])}")
+    given = [key for key in HEALTH_KEYS if key in data]
+    if given:
+        put("watch", "health", {HEALTH_KEYS[key]: data[key] for key in given}, " and ".join(given))
     if "ops" in data:
         put(None, "stats", _legacy_ops(data["ops"]), "ops")
     if "format" in data:

@@ -32,6 +32,19 @@ class Schedule:
 
 
 @dataclass(kw_only=True, slots=True)
+class ModelHealth:
+    """Model-health signals, all off by default (docs/model_health.md): attention entropy and
+    largest probability, stable rank of 2-D weights every `stable_rank_every` monitored steps
+    (0: never; `stable_rank_iterations` power iterations per step), the sign agreement of
+    gradient and momentum (the predecessor's mg_direction), the gradient norm per micro-batch."""
+    attention_entropy: bool = False
+    stable_rank_every: int = field(default=0, metadata=at_least(0))
+    stable_rank_iterations: int = field(default=2, metadata=between(1, 100))
+    mg_direction: bool = False
+    micro_batch_grads: bool = False
+
+
+@dataclass(kw_only=True, slots=True)
 class Watch:
     """What is measured on a monitored step."""
     module_outputs: bool = True
@@ -43,6 +56,8 @@ class Watch:
         default_factory=lambda: ["exp_avg", "exp_avg_sq"], metadata=choices(*OPTIMIZER_STATES))
     #: mixture-of-experts routers' health (`router/` tags: load per expert, imbalance, entropy)
     routers: bool = True
+    #: model-health signals (`health/` tags, `optim/<param>/mg_direction`)
+    health: ModelHealth = field(default_factory=ModelHealth)
 
 
 @dataclass(kw_only=True, slots=True)

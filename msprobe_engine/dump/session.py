@@ -142,6 +142,27 @@ class DumpSession:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # ---- for layers over the session (msprobe_engine.compat): set-up without starting --------
+    def prepare(self, model: Any = None) -> None:
+        """Validate the config against the run and create the recorder (what the first `start`
+        does), without collecting; `rank` is known after it."""
+        if self._recorder is None:
+            self._setup(model)
+
+    def add_hooks(self, hooks: Any) -> None:
+        """Hooks (anything with ``remove()``) that `close` removes with the session's own."""
+        self._hooks.append(hooks)
+
+    @property
+    def recorder(self) -> Any:
+        """The task's recorder once set up (`prepare` or `start`), else None."""
+        return self._recorder
+
+    @property
+    def api_mode(self) -> Any:
+        """The API interception the session pushes while it collects (None without one)."""
+        return self._mode
+
     @property
     def transfers(self) -> int:
         """Device-to-host copies of statistics so far (one per dumped step)."""

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from msprobe_engine.frameworks.torch import backend, cpu_reduce, tensor_files
+from msprobe_engine.frameworks.torch.health_hooks import attach_health
 from msprobe_engine.frameworks.torch.module_hooks import ModuleHooks
 from msprobe_engine.frameworks.torch.optimizer_hooks import OptimizerHooks
 from msprobe_engine.frameworks.torch.replay import TorchReplayHost
@@ -29,7 +30,8 @@ class TorchFramework:
         now for a model with CPU parameters, not in the first monitored step."""
         if any(p.is_cpu for p in model.parameters()):
             cpu_reduce.prepare()
-        return [ModuleHooks(monitor, model), OptimizerHooks(monitor, model, optimizer), *attach_routers(monitor, model)]
+        return [ModuleHooks(monitor, model), OptimizerHooks(monitor, model, optimizer), *attach_routers(monitor, model),
+                *attach_health(monitor, model, optimizer)]
 
     def replay_host(self) -> TorchReplayHost:
         return TorchReplayHost()

@@ -18,10 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from msprobe_engine.errors import ConfigError
-
-#: the predecessor's bound on the seed
-MAX_SEED = 2 ** 32 - 1
+from msprobe_engine.compat.seed_check import check_seed_arguments
 #: the dropout functions that `rm_dropout` sets to p = 0
 DROPOUTS = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout")
 
@@ -29,11 +26,7 @@ DROPOUTS = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "
 def seed_all(seed: int = 1234, mode: bool = False, rm_dropout: bool = False, is_enhanced: bool = False) -> None:
     """Seed every generator; `mode`: deterministic algorithms; `rm_dropout`: dropout p = 0;
     `is_enhanced` (the predecessor's NPU option) is checked and changes nothing on CPU/CUDA."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
-        raise ConfigError(f"seed_all: seed: expected an integer in 0..{MAX_SEED}, got {seed!r}")
-    for key, value in (("mode", mode), ("rm_dropout", rm_dropout), ("is_enhanced", is_enhanced)):
-        if not isinstance(value, bool):
-            raise ConfigError(f"seed_all: {key}: expected true or false, got {value!r}")
+    check_seed_arguments(seed, mode=mode, rm_dropout=rm_dropout, is_enhanced=is_enhanced)
     random.seed(seed)
     os.environ["PYTHONHASHSEED"] = str(seed)
     np.random.seed(seed)

@@ -24,7 +24,7 @@ from msprobe_engine.dump.entry import UNHANDLED, TensorSlot, describe, render_en
 from msprobe_engine.dump.reader import TENSOR_DIR
 from msprobe_engine.dump.writer import rank_dir_name, write_file
 from msprobe_engine.frameworks.torch import backend as torch_backend
-from msprobe_engine.frameworks.torch.capture.recorder import _dtype_name, _kind
+from msprobe_engine.frameworks.torch.capture.recorder import dtype_name, tensor_kind
 from msprobe_engine.frameworks.torch.capture.stat_buffer import StatBuffer
 from msprobe_engine.sinks.writer import BackgroundWriter
 
@@ -79,10 +79,10 @@ class DebugSave:
         return self._slot(value, name)
 
     def _slot(self, tensor: torch.Tensor, name: str) -> TensorSlot:
-        kind = _kind(tensor)
+        kind = tensor_kind(tensor)
         row = self.stats.row(tensor.detach().abs() if tensor.is_complex() else tensor.detach()) if kind != "none" else -1
         saved = self.task == "tensor" and not tensor.is_meta
-        slot = TensorSlot(_dtype_name(tensor.dtype), list(tensor.shape), tensor.requires_grad, kind, row,
+        slot = TensorSlot(dtype_name(tensor.dtype), list(tensor.shape), tensor.requires_grad, kind, row,
                           f"{name}.pt" if saved else None)
         if saved:
             self.copies.append((slot.data_name, tensor.detach().to("cpu", copy=True)))

@@ -39,13 +39,12 @@ class ModuleDump:
             log.info("msprobe dump: module_dump(%s): level %s already records every module", name,
                      session.config.level)
             return
-        if session._recorder is None:
-            session._setup(None)
+        session.prepare()
         if id(module) not in self._hooked:
             self._hook(module, f"Module.{name}.{type(module).__name__}")
         self.on = True
-        if session._mode is not None:
-            remove_mode(session._mode)
+        if session.api_mode is not None:
+            remove_mode(session.api_mode)
 
     def end(self) -> None:
         """Back to the level's own recording (API capture on again while the session collects)."""
@@ -53,11 +52,11 @@ class ModuleDump:
             return
         self.on = False
         session = self.session
-        if session._mode is not None and session._recorder is not None and session._recorder.active:
-            push_mode(session._mode)
+        if session.api_mode is not None and session.recorder is not None and session.recorder.active:
+            push_mode(session.api_mode)
 
     def _hook(self, module: torch.nn.Module, key: str) -> None:
-        recorder = self.session._recorder
+        recorder = self.session.recorder
         self._hooked[id(module)] = key
         self.handles.append(module.register_forward_pre_hook(partial(self._pre, recorder, key), with_kwargs=True))
         self.handles.append(module.register_forward_hook(partial(self._post, recorder), with_kwargs=True,

@@ -101,14 +101,16 @@ def _backward_name(forward: str | None) -> str | None:
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """dump.json's ``dtype`` of `dtype` (``torch.float32``)."""
     name = _DTYPE_NAMES.get(dtype)
     if name is None:
         name = _DTYPE_NAMES[dtype] = str(dtype)
     return name
 
 
-def _kind(tensor: torch.Tensor) -> str:
+def tensor_kind(tensor: torch.Tensor) -> str:
+    """Which statistics `tensor` gets: 'float', 'int', 'bool', or 'none' (empty, sparse, meta, quantized)."""
     if tensor.numel() == 0 or tensor.layout != torch.strided or tensor.is_meta or tensor.is_quantized:
         return "none"
     if tensor.dtype == torch.bool:
@@ -246,12 +248,12 @@ class Recorder(DumpRecorder):
     def _slot(self, tensor: torch.Tensor, name: str) -> TensorSlot:
         if isinstance(tensor, DTensor):  # FSDP2/TP: each rank's dump holds its own piece (no collective)
             tensor = tensor.to_local()
-        kind = _kind(tensor)
+        kind = tensor_kind(tensor)
         row = -1
         if kind != "none":
             row = self.stats.row(tensor.abs() if tensor.is_complex() else tensor)
         copied = self.copies and not tensor.is_meta
-        slot = TensorSlot(_dtype_name(tensor.dtype), list(tensor.shape), tensor.requires_grad, kind, row,
+        slot = TensorSlot(dtype_name(tensor.dtype), list(tensor.shape), tensor.requires_grad, kind, row,
                           f"{name}.pt" if copied and self.save_tensors else None)
         if self.xor and kind != "none" and not tensor.is_meta:
             self._checksums.append((slot, xor_words(tensor)))
