@@ -58,20 +58,14 @@ class ReplicaSplit(Reducer):
         tp = getattr(self.inner, "tp", None)
         if self._learned or self.monitor.replaying or not callable(tp):
             return self.inner.merge(keys, rows)
-        seen: list[torch.Tensor] = []
-
-        def watched(keys: Sequence[MetricKey], rows: torch.Tensor, *args: Any) -> torch.Tensor:
-            merged = tp(keys, rows, *args)
-            seen[:] = [rows, merged]
-            return merged
-
+        watched = _Watched(tp)
         self.inner.tp = watched
         try:
             merged = self.inner.merge(keys, rows)
         finally:
             self.inner.tp = tp
-        if seen:
-            self._learn(keys, *seen)
+        if watched.seen:
+            self._learn(keys, *watched.seen)
         return merged
 
     def agree(self, decision):
@@ -95,3 +89,20 @@ class ReplicaSplit(Reducer):
             tensors = [t.new_empty(0) if prior is None and key in elsewhere else t
                        for key, t, prior in zip(keys, tensors, first)]
         self._add(keys, tensors, divisor, same=same)
+
+
+class _Watched:
+    """A group merge that keeps the rows it was given and what it made of them; every other
+    attribute (what a merge over the next group reads of it) is the wrapped merge's."""
+
+    def __init__(self, merge: Callable[..., torch.Tensor]) -> None:
+        self.merge = merge
+        self.seen: tuple[torch.Tensor, torch.Tensor] | tuple[()] = ()
+
+    def __call__(self, keys: Sequence[MetricKey], rows: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        merged = self.merge(keys, rows, *args, **kwargs)
+        self.seen = (rows, merged)
+        return merged
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.merge, name)
