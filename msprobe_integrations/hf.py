@@ -37,8 +37,8 @@ Trainer checkpoint (`trainer_state.json`, as an `ExportableState`) and restored 
 stays open and a spike rule keeps its running average.
 
 Step numbers are the Trainer's: a record's step is the `state.global_step` the Trainer logs
-for that optimizer step (after its increment), so the first step is 1. (Before, the first
-step was 0: the monitor's step N was HF's global_step N+1.)
+for that optimizer step (after its increment), so the first step is 1, with `--deepspeed`
+too. (Before, the first step was 0: the monitor's step N was HF's global_step N+1.)
 """
 from __future__ import annotations
 
@@ -106,11 +106,11 @@ class MonitorCallback(TrainerCallback, ExportableState):
         engine = _deepspeed_engine(model) if args.deepspeed or _accelerate_uses_deepspeed() else None
         saved = self._saved_state(state)
         config = resumed_config(self.config, saved is not None)
+        # the monitor's step is the Trainer's global_step once that step is done (on_log's)
         if engine is not None:
-            self.monitor = _deepspeed_monitor(engine, config, self)
+            self.monitor = _deepspeed_monitor(engine, config, self, state.global_step + 1)
         else:
             # with average_tokens_across_devices the Trainer multiplies a token share by the ranks
-            # the monitor's step is the Trainer's global_step once that step is done (on_log's)
             self.monitor = TrainerHooks(model, optimizer, config, start_step=state.global_step + 1,
                                         ranks=args.world_size,
                                         share_scale=args.world_size if args.average_tokens_across_devices else 1)
@@ -261,12 +261,13 @@ def _deepspeed_engine(model: Any) -> Any:
     return engines[-1] if engines else None
 
 
-def _deepspeed_monitor(engine: Any, config: ConfigSource, callback: MonitorCallback) -> Integration:
-    """`DeepSpeedMonitor` on the Trainer's engine; its `stop` ends the Trainer's run instead of
-    raising out of `trainer.train()` (the stopping step's DeepSpeed step is not run)."""
+def _deepspeed_monitor(engine: Any, config: ConfigSource, callback: MonitorCallback, start_step: int) -> Integration:
+    """`DeepSpeedMonitor` on the Trainer's engine, its steps numbered from `start_step`; its
+    `stop` ends the Trainer's run instead of raising out of `trainer.train()` (the stopping
+    step's DeepSpeed step is not run)."""
     from msprobe_integrations.deepspeed import DeepSpeedMonitor
 
-    adapter = DeepSpeedMonitor(engine, config)
+    adapter = DeepSpeedMonitor(engine, config, start_step=start_step)
     monitored_step = engine.step
 
     def step(*args: Any, **kwargs: Any) -> Any:
