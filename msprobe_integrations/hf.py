@@ -56,8 +56,8 @@ from msprobe_engine.incident.actions import TrainingStopped
 from msprobe_engine.monitor import Monitor
 from msprobe_engine.handles import Handles
 from msprobe_engine.stats.table import MetricKey
-from msprobe_integrations.trainer_adapter import ALERTS_KEY, AlertCount, TrainerAdapter, announce, quiet, \
-    speak_through_progress_bar
+from msprobe_integrations.trainer_adapter import ALERTS_KEY, AlertCount, TrainerAdapter, announce, \
+    optimizer_settings, quiet, record_hyperparameters, speak_through_progress_bar
 from msprobe_integrations.trainer_hooks import resumed_config
 
 __all__ = ["MonitorCallback"]
@@ -116,6 +116,9 @@ class MonitorCallback(TrainerCallback, ExportableState):
                                         share_scale=args.world_size if args.average_tokens_across_devices else 1)
         if saved is not None:
             self.monitor.load_state_dict(saved)
+        model_config = getattr(model, "config", None)
+        record_hyperparameters(self.monitor, trainer=args.to_dict(), optimizer=optimizer_settings(optimizer),
+                               model=model_config.to_dict() if hasattr(model_config, "to_dict") else None)
         self._alerts = AlertCount(self.monitor)
         self._handler = speak_through_progress_bar()
         if state.is_world_process_zero:
@@ -167,6 +170,7 @@ class TrainerHooks(TrainerAdapter):
         self.model = model
         self.share_scale = share_scale
         self.optimizer = _torch_optimizer(optimizer, monitor.warn)
+        self.scaler = getattr(optimizer, "scaler", None)  # accelerate's optimizer holds its loss scaler
         if not isinstance(model, torch.nn.Module):
             monitor.warn(f"MonitorCallback: the Trainer's model is a {type(model).__name__}, not a torch.nn.Module: "
                          "activations, gradients and the loss are not monitored")
@@ -207,9 +211,13 @@ class TrainerHooks(TrainerAdapter):
             self._grads.append((key, param.grad))
 
     def _measure_grads(self) -> None:
+        """The gradients of the step, divided by the fp16 loss scale of accelerate's GradScaler
+        (the scaler's device tensor: no host sync; they are unscaled only after this)."""
         grads, self._grads = self._grads, []
         with self.monitor.guard("gradient hook"):
-            self.monitor.add_tensors([key for key, _ in grads], [grad for _, grad in grads])
+            scale = self.loss_scale()
+            self.monitor.add_tensors([key for key, _ in grads], [grad for _, grad in grads],
+                                     divisor=1.0 if scale is None else scale)
 
     # ---- lifecycle (called by the callback) ---------------------------------------
     def before_optimizer_step(self) -> bool:
@@ -223,8 +231,8 @@ class TrainerHooks(TrainerAdapter):
         return self.decide_step(self.optimizer)
 
     def after_optimizer_step(self) -> None:
-        """After the Trainer's optimizer step: the gradients back, `train/skipped`, what the step
-        changed (`TrainerAdapter.finish_step`)."""
+        """After the Trainer's optimizer step: the gradients back, what the step changed
+        (`TrainerAdapter.finish_step`)."""
         self.finish_step(self.optimizer)
 
 

@@ -37,8 +37,8 @@ from lightning.pytorch import Callback
 from msprobe_engine.config import ConfigSource, load_config
 from msprobe_engine.handles import Handles
 from msprobe_engine.monitor import Monitor
-from msprobe_integrations.trainer_adapter import ALERTS_KEY, AlertCount, TrainerAdapter, announce, quiet, \
-    speak_through_progress_bar
+from msprobe_integrations.trainer_adapter import ALERTS_KEY, AlertCount, TrainerAdapter, announce, \
+    optimizer_settings, quiet, record_hyperparameters, speak_through_progress_bar
 from msprobe_integrations.trainer_hooks import resumed_config
 
 __all__ = ["MonitorCallback"]
@@ -83,6 +83,10 @@ class MonitorCallback(Callback):
         self.monitor = LightningHooks(trainer, pl_module, resumed_config(self.config, bool(self._saved)))
         if self._saved:
             self.monitor.load_state_dict(self._saved)
+        datamodule = getattr(trainer, "datamodule", None)
+        record_hyperparameters(self.monitor, module=dict(pl_module.hparams), trainer=_trainer_settings(trainer),
+                               optimizers=[optimizer_settings(o) for o in trainer.optimizers],
+                               datamodule=dict(datamodule.hparams) if hasattr(datamodule, "hparams") else None)
         self._alerts = AlertCount(self.monitor)
         self._handler = speak_through_progress_bar()
         if trainer.is_global_zero:
@@ -110,6 +114,15 @@ class MonitorCallback(Callback):
         self._handler = None
 
 
+def _trainer_settings(trainer: Any) -> dict[str, Any]:
+    """What of the Lightning Trainer changes the numbers (or the steps)."""
+    return {"max_steps": trainer.max_steps, "max_epochs": trainer.max_epochs,
+            "accumulate_grad_batches": trainer.accumulate_grad_batches,
+            "gradient_clip_val": trainer.gradient_clip_val, "gradient_clip_algorithm": trainer.gradient_clip_algorithm,
+            "precision": trainer.precision, "strategy": type(trainer.strategy).__name__,
+            "world_size": trainer.world_size, "num_nodes": trainer.num_nodes}
+
+
 class LightningHooks(TrainerAdapter):
     """A `Monitor` fed from a LightningModule and its torch optimizers (see the module docstring)."""
 
@@ -135,6 +148,10 @@ class LightningHooks(TrainerAdapter):
         self.reads = OptimizerHooks(monitor, module, None, read_grads=True)
         self._stepped = False
         self._global_step = trainer.global_step
+        self._stepping: Any = None  # the optimizer of the step being taken
+        # 16-mixed: Lightning unscales the gradients before on_before_optimizer_step; its
+        # GradScaler skips the optimizer's step on an overflow (global_step still advances)
+        self.scaler = getattr(trainer.precision_plugin, "scaler", None)
         handles = []
         if self.reads_model:
             for optimizer in trainer.optimizers:
@@ -155,6 +172,7 @@ class LightningHooks(TrainerAdapter):
     def before_optimizer_step(self, optimizer: Any) -> bool:
         """The accumulated, unclipped gradients; the decision. True: a `stop` rule fired."""
         self.report_losses(torch.sum)
+        self._stepping = optimizer
         if not self.reads_model:
             return False
         self.reads.before_step()
@@ -166,8 +184,13 @@ class LightningHooks(TrainerAdapter):
             self._stepped = True
 
     def batch_end(self, global_step: int) -> None:
-        """After a batch: closes the optimizer step when this batch ended one."""
-        stepped = self._stepped or (not self.reads_model and global_step != self._global_step)
-        self._stepped, self._global_step = False, global_step
+        """After a batch: closes the optimizer step when this batch ended one. A step Lightning
+        took whose torch optimizer did not step (its loss scaler skipped it: an fp16 overflow)
+        is finished here, as skipped."""
+        advanced = global_step != self._global_step
+        if advanced and self.reads_model and not self._stepped and self._stepping is not None:
+            self._stepped = self.finish_step(self._stepping, overflow=True)
+        stepped = self._stepped or (not self.reads_model and advanced)
+        self._stepped, self._global_step, self._stepping = False, global_step, None
         if stepped:
             self.monitor.step_end()

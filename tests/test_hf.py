@@ -91,6 +91,7 @@ def test_resume_from_a_checkpoint_keeps_the_open_alert_episode(tmp_path):
     assert [r.step for r in records] == [3, 4] and trainer.state.global_step == 4
     assert all(math.isnan(r.metrics[f"actv/{LAYER}/output/norm"]) for r in records)
     assert [a for r in records for a in r.alerts] == []
+    assert [r.metrics["Health/alerts"] for r in records] == [1.0, 1.0]  # the count before the checkpoint goes on
     assert list(incidents(tmp_path / "run")) == ["step2-rank0-non_finite"]
 
 
