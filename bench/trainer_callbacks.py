@@ -100,22 +100,11 @@ def hf(config: dict | None, steps: int, out: Path) -> list[float]:
 
 def lightning(config: dict | None, steps: int, out: Path) -> list[float]:
     import lightning.pytorch as pl
-    import torch
     from torch.utils.data import DataLoader
 
-    from examples.hf_trainer import tiny_gpt2, token_rows
+    from examples.hf_trainer import token_rows
+    from examples.lightning_train import lit_gpt2
     from msprobe_integrations.lightning import MonitorCallback
-
-    class LitGPT(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.gpt = tiny_gpt2()
-
-        def training_step(self, batch, batch_idx):
-            return self.gpt(**batch).loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=LR)
 
     class StepTimer(pl.Callback):
         def __init__(self) -> None:
@@ -134,7 +123,7 @@ def lightning(config: dict | None, steps: int, out: Path) -> list[float]:
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, accumulate_grad_batches=GAS,
                          gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=str(out / "lightning"), callbacks=callbacks)
-    trainer.fit(LitGPT(), DataLoader(token_rows(steps * GAS * ROWS), batch_size=ROWS))
+    trainer.fit(lit_gpt2(LR), DataLoader(token_rows(steps * GAS * ROWS), batch_size=ROWS))
     return timer.times
 
 

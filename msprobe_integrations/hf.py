@@ -18,7 +18,10 @@ What is read, and where (plain PyTorch; see below for `--deepspeed`):
   the hooks fire before DDP has averaged the gradients: they are read at
   `on_pre_optimizer_step` instead, averaged and clipped, and the skip/stop decision is made
   to agree over the ranks (one all-reduce of two flags per monitored step);
-- parameters and optimizer state: after the optimizer step (`on_optimizer_step`).
+- parameters and optimizer state: after the optimizer step (`on_optimizer_step`);
+- fp16 AMP (accelerate's GradScaler): the step's loss scale as `train/loss_scale`, the
+  gradients of the one-process path divided by it (its device tensor, no host sync), and a
+  step the scaler skipped (an overflow: its scale went down) as `train/skipped` = 1.
 
 Actions: `stop` sets the Trainer's `control.should_training_stop` (the stopping step's
 optimizer step is skipped; the Trainer ends after it as after its last step). The Trainer

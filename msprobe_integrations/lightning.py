@@ -10,7 +10,9 @@ What is read, and where (automatic optimization; single device and DDP):
   by the accumulation count), summed per optimizer step: the mean over its micro-batches;
 - parameter gradients: `on_before_optimizer_step`, after the last backward of the step (and
   after DDP's all-reduce) and BEFORE Lightning clips them (`gradient_clip_val`);
-- parameters and optimizer state: in the torch optimizer's step post-hook.
+- parameters and optimizer state: in the torch optimizer's step post-hook;
+- `16-mixed` (the precision plugin's GradScaler): the step's loss scale as
+  `train/loss_scale`, and a step the scaler skipped (an overflow) as `train/skipped` = 1.
 
 Actions: `stop` sets `trainer.should_stop` (the stopping step's optimizer step is skipped).
 Lightning has no way to skip one optimizer step: `skip` sets the gradients aside
