@@ -12,7 +12,7 @@ process are dropped. The LAST printed line is one JSON object: the load average,
 the median step time without the monitor and each config's median over it, and each
 trainer's ratio minus the plain loop's (the goal: at most 0.05).
 
-    OMP_NUM_THREADS=1 python bench/trainer_callbacks.py [--steps 30] [--rounds 3]
+    OMP_NUM_THREADS=1 python bench/trainer_callbacks.py [--steps 30] [--rounds 3] [--trainers hf lightning]
     python bench/trainer_callbacks.py --one hf full    # one process: its step times, as JSON
 """
 from __future__ import annotations
@@ -140,12 +140,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--trainers", nargs="+", choices=TRAINERS, default=list(TRAINERS),
+                        help="the trainers to compare (the plain loop is always one)")
     parser.add_argument("--one", nargs=2, metavar=("TRAINER", "CONFIG"), help="run one configuration here")
     args = parser.parse_args()
     if args.one:
         print(json.dumps(one(*args.one, args.steps)))
         return
-    runs = [(t, c) for t in TRAINERS for c in CONFIGS]
+    trainers = ["plain", *(t for t in args.trainers if t != "plain")]
+    runs = [(t, c) for t in trainers for c in CONFIGS]
     times: dict[tuple[str, str], list[float]] = {run: [] for run in runs}
     loads = []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -157,12 +160,12 @@ def main() -> None:
                                   env=env, capture_output=True, text=True, check=True)
             times[trainer, config] += json.loads(done.stdout.strip().splitlines()[-1])[WARMUP:]
     result: dict = {"load": [round(min(loads), 1), round(max(loads), 1)], "steps": args.steps, "rounds": args.rounds}
-    for trainer in TRAINERS:
+    for trainer in trainers:
         base = statistics.median(times[trainer, "none"])
         result[trainer] = {"median_step_ms_no_monitor": round(base * 1e3, 2),
                            **{c: round(statistics.median(times[trainer, c]) / base, 3) for c in CONFIGS[1:]}}
         print(f"{trainer}: " + ", ".join(f"{c} {statistics.median(times[trainer, c]) * 1e3:.1f} ms" for c in CONFIGS))
-    for trainer in TRAINERS[1:]:
+    for trainer in trainers[1:]:
         result[f"{trainer}_minus_plain"] = {c: round(result[trainer][c] - result["plain"][c], 3) for c in CONFIGS[1:]}
     print(json.dumps(result))
 

@@ -59,7 +59,7 @@ class MonitorCallback(Callback):
     Inside the Trainer: the run directory is printed once when training starts; the monitor's
     alerts and warnings are printed above the progress bar (`tqdm.write`, unless logging is
     configured); ``msprobe/alerts``, the number of alert episodes started so far, is logged
-    with `LightningModule.log` after every step (the logger, `trainer.callback_metrics`)."""
+    with `LightningModule.log` after every optimizer step (the logger, `trainer.callback_metrics`)."""
 
     def __init__(self, config: ConfigSource = None) -> None:
         if config is not None:
@@ -106,9 +106,11 @@ class MonitorCallback(Callback):
             trainer.should_stop = True
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.monitor.batch_end(trainer.global_step)
-        pl_module.log(ALERTS_KEY, float(self._alerts.total), on_step=True, on_epoch=False, reduce_fx="max",
-                      sync_dist=False, rank_zero_only=True)
+        # logged once an optimizer step (a LightningModule.log call costs Lightning more than the
+        # monitor's step: it copies its result metadata)
+        if self.monitor.batch_end(trainer.global_step):
+            pl_module.log(ALERTS_KEY, float(self._alerts.total), on_step=True, on_epoch=False, reduce_fx="max",
+                          sync_dist=False, rank_zero_only=True)
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.monitor.close()
@@ -185,10 +187,10 @@ class LightningHooks(TrainerAdapter):
         if self.finish_step(optimizer):
             self._stepped = True
 
-    def batch_end(self, global_step: int) -> None:
-        """After a batch: closes the optimizer step when this batch ended one. A step Lightning
-        took whose torch optimizer did not step (its loss scaler skipped it: an fp16 overflow)
-        is finished here, as skipped."""
+    def batch_end(self, global_step: int) -> bool:
+        """After a batch: closes the optimizer step when this batch ended one (returns whether it
+        did: Lightning's global_step advanced). A step Lightning took whose torch optimizer did
+        not step (its loss scaler skipped it: an fp16 overflow) is finished here, as skipped."""
         advanced = global_step != self._global_step
         if advanced and self.reads_model and not self._stepped and self._stepping is not None:
             self._stepped = self.finish_step(self._stepping, overflow=True)
@@ -196,3 +198,4 @@ class LightningHooks(TrainerAdapter):
         self._stepped, self._global_step, self._stepping = False, global_step, None
         if stepped:
             self.monitor.step_end()
+        return advanced
