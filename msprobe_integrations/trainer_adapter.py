@@ -14,8 +14,8 @@ from typing import Any, Callable
 import torch
 
 from msprobe_engine.contract import Integration
-from msprobe_engine.health import LOSS_SCALE
 from msprobe_engine.frameworks.torch.optimizer_hooks import SKIPPED, restore_grads
+from msprobe_engine.health import LOSS_SCALE
 from msprobe_engine.monitor import Monitor
 from msprobe_engine.stats.table import MetricKey
 from msprobe_integrations.trainer_hooks import decide
