@@ -58,8 +58,9 @@ class MonitorCallback(Callback):
 
     Inside the Trainer: the run directory is printed once when training starts; the monitor's
     alerts and warnings are printed above the progress bar (`tqdm.write`, unless logging is
-    configured); ``msprobe/alerts``, the number of alert episodes started so far, is logged
-    with `LightningModule.log` after every optimizer step (the logger, `trainer.callback_metrics`)."""
+    configured); ``msprobe/alerts``, the number of alert episodes started so far, goes to the
+    loggers and `trainer.callback_metrics` after every optimizer step (as `LearningRateMonitor`
+    logs)."""
 
     def __init__(self, config: ConfigSource = None) -> None:
         if config is not None:
@@ -106,11 +107,18 @@ class MonitorCallback(Callback):
             trainer.should_stop = True
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        # logged once an optimizer step (a LightningModule.log call costs Lightning more than the
-        # monitor's step: it copies its result metadata)
         if self.monitor.batch_end(trainer.global_step):
-            pl_module.log(ALERTS_KEY, float(self._alerts.total), on_step=True, on_epoch=False, reduce_fx="max",
-                          sync_dist=False, rank_zero_only=True)
+            self._log_alerts(trainer)
+
+    def _log_alerts(self, trainer) -> None:
+        """The alert count after an optimizer step, to the loggers and `trainer.callback_metrics`
+        as `LearningRateMonitor` logs its rates (a `LightningModule.log` call costs Lightning
+        more than the monitor's own step on a small model: it copies its result metadata)."""
+        total = float(self._alerts.total)
+        trainer.callback_metrics[ALERTS_KEY] = torch.tensor(total)
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics({ALERTS_KEY: total}, step=trainer.global_step)
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.monitor.close()

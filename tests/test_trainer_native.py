@@ -72,12 +72,19 @@ def test_lightning_skip_is_recorded_and_alerts_reach_callback_metrics(tmp_path, 
             if batch_idx % GAS == GAS - 1:
                 seen.append(trainer.global_step)
 
-    callback, trainer = lightning_run(tmp_path, _skip_config(tmp_path), faults={1}, callbacks=[GlobalStep()])
+    from lightning.pytorch.loggers import CSVLogger
+
+    callback, trainer = lightning_run(tmp_path, _skip_config(tmp_path), faults={1}, callbacks=[GlobalStep()],
+                                      logger=CSVLogger(tmp_path / "csv", name="", version=""))
     records = list(callback.monitor.history)
     assert [r.step for r in records] == seen == [1, 2, 3]
     assert [r.metrics["train/skipped"] for r in records] == [0.0, 1.0, 0.0]
     assert [r.metrics["Health/skipped"] for r in records] == [0.0, 1.0, 0.0]
     assert float(trainer.callback_metrics["msprobe/alerts"]) == 1.0
+    logged = [line.split(",") for line in (tmp_path / "csv" / "metrics.csv").read_text().splitlines()]
+    column, step = logged[0].index("msprobe/alerts"), logged[0].index("step")
+    rows = [(int(row[step]), float(row[column])) for row in logged[1:] if row[column]]
+    assert [s for s, _ in rows] == [1, 2, 3] and rows[-1][1] == 1.0  # the logger's, at each global_step
     assert [r.metrics["Health/alerts"] for r in records] == [0.0, 1.0, 1.0]
     assert [r.metrics["train/lr"] for r in records] == [1e-3] * 3
     assert all(r.metrics["Health/tokens_per_s"] > 0 and r.metrics["Health/samples_per_s"] > 0 for r in records[1:])
