@@ -1,11 +1,19 @@
-"""Overhead of the HF Trainer callback: a random-init GPT-2 (examples/hf_trainer.py) trained
-by the Trainer on CPU with OMP_NUM_THREADS=1, without the callback, with
-configs/grads_optimizer.yaml and with configs/full.yaml, in rotating order for `--rounds`
-rounds (so machine noise hits every config alike). A step's time is taken from
-`on_step_begin` to `on_step_end` (gradient accumulation 2). The LAST printed line is one
-JSON object: each config's median step time over no monitor.
+"""Overhead of the trainer callbacks next to the plain loop's: the same random-init GPT-2
+(examples/hf_trainer.py), the same rows, 2 micro-batches of 4 rows a step, AdamW, gradients
+clipped at 1.0, on the CPU with OMP_NUM_THREADS=1, trained by a plain torch loop
+(`TorchMonitor`), the HF Trainer and Lightning (their `MonitorCallback`), each without the
+monitor, with configs/grads_optimizer.yaml and with configs/full.yaml.
 
-    OMP_NUM_THREADS=1 python bench/trainer_callbacks.py [--steps 20] [--rounds 3]
+Every (trainer, config) runs in a process of its own (a fresh interpreter: no hooks, caches or
+allocator state shared), the processes of a round in rotating order, for `--rounds` rounds, so
+that machine noise hits every configuration alike. A step's time runs from its first
+micro-batch to its end (the monitor's step_end included); the first WARMUP steps of each
+process are dropped. The LAST printed line is one JSON object: the load average, per trainer
+the median step time without the monitor and each config's median over it, and each
+trainer's ratio minus the plain loop's (the goal: at most 0.05).
+
+    OMP_NUM_THREADS=1 python bench/trainer_callbacks.py [--steps 30] [--rounds 3] [--trainers hf lightning]
+    python bench/trainer_callbacks.py --one hf full    # one process: its step times, as JSON
 """
 from __future__ import annotations
 
@@ -13,6 +21,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -22,55 +31,143 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
-
-from examples.hf_trainer import tiny_gpt2, token_rows  # noqa: E402
-from msprobe_engine.config.loader import read_file  # noqa: E402
-from msprobe_integrations.hf import MonitorCallback  # noqa: E402
-
-CONFIGS = {"grads+optimizer": ROOT / "configs" / "grads_optimizer.yaml", "full": ROOT / "configs" / "full.yaml"}
-WARMUP = 3
+TRAINERS = ("plain", "hf", "lightning")
+CONFIGS = ("none", "grads_optimizer", "full")
+GAS, ROWS, LR, WARMUP = 2, 4, 1e-3, 5
 
 
-class StepTimer(TrainerCallback):
-    def __init__(self) -> None:
-        self.times: list[float] = []
+def monitor_config(name: str, out: Path) -> dict:
+    from msprobe_engine.config.loader import read_file
 
-    def on_step_begin(self, args, state, control, **kwargs):
-        self._start = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.times.append(time.perf_counter() - self._start)
+    return {**read_file(ROOT / "configs" / f"{name}.yaml"), "output_dir": str(out)}
 
 
-def run(name: str, steps: int, out: Path) -> list[float]:
+def plain(config: dict | None, steps: int) -> list[float]:
+    import torch
+
+    from examples.hf_trainer import tiny_gpt2, token_rows
+    from msprobe_integrations.torch import TorchMonitor
+
+    model = tiny_gpt2().train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    monitor = TorchMonitor(model, optimizer, config=config) if config is not None else None
+    rows = token_rows(steps * GAS * ROWS)
+    batches = [{k: torch.stack([r[k] for r in rows[i:i + ROWS]]) for k in rows[0]} for i in range(0, len(rows), ROWS)]
+    times = []
+    for step in range(steps):
+        start = time.perf_counter()
+        total = 0.0
+        for batch in batches[step * GAS:(step + 1) * GAS]:
+            loss = model(**batch).loss / GAS
+            loss.backward()
+            total = total + loss.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        if monitor is not None:
+            monitor.step_end(total)
+        times.append(time.perf_counter() - start)
+    if monitor is not None:
+        monitor.close()
+    return times
+
+
+def hf(config: dict | None, steps: int, out: Path) -> list[float]:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from examples.hf_trainer import tiny_gpt2, token_rows
+    from msprobe_integrations.hf import MonitorCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter() - self.start)
+
     timer = StepTimer()
-    callbacks = [timer]
-    if name != "none":
-        callbacks.insert(0, MonitorCallback(config={**read_file(CONFIGS[name]), "output_dir": str(out / name)}))
+    callbacks = [timer] if config is None else [MonitorCallback(config=config), timer]
     args = TrainingArguments(output_dir=str(out / "trainer"), use_cpu=True, report_to=[], save_strategy="no",
-                             disable_tqdm=True, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                             max_steps=steps, logging_steps=10 ** 6, learning_rate=1e-3)
-    Trainer(model=tiny_gpt2(), args=args, train_dataset=token_rows(steps * 8), callbacks=callbacks).train()
-    return timer.times[WARMUP:]
+                             disable_tqdm=True, per_device_train_batch_size=ROWS, gradient_accumulation_steps=GAS,
+                             max_steps=steps, logging_steps=10 ** 6, learning_rate=LR, max_grad_norm=1.0,
+                             optim="adamw_torch", dataloader_num_workers=0)
+    Trainer(model=tiny_gpt2(), args=args, train_dataset=token_rows(steps * GAS * ROWS), callbacks=callbacks).train()
+    return timer.times
+
+
+def lightning(config: dict | None, steps: int, out: Path) -> list[float]:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from examples.hf_trainer import token_rows
+    from examples.lightning_train import lit_gpt2
+    from msprobe_integrations.lightning import MonitorCallback
+
+    class StepTimer(pl.Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx % GAS == 0:
+                self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx % GAS == GAS - 1:
+                self.times.append(time.perf_counter() - self.start)
+
+    timer = StepTimer()
+    callbacks = [timer] if config is None else [MonitorCallback(config=config), timer]
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, accumulate_grad_batches=GAS,
+                         gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=str(out / "lightning"), callbacks=callbacks)
+    trainer.fit(lit_gpt2(LR), DataLoader(token_rows(steps * GAS * ROWS), batch_size=ROWS))
+    return timer.times
+
+
+def one(trainer: str, config: str, steps: int) -> list[float]:
+    """The step times of one (trainer, config), in this process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        monitor = None if config == "none" else monitor_config(config, Path(tmp) / "monitor")
+        if trainer == "plain":
+            return plain(monitor, steps)
+        return (hf if trainer == "hf" else lightning)(monitor, steps, Path(tmp))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--trainers", nargs="+", choices=TRAINERS, default=list(TRAINERS),
+                        help="the trainers to compare (the plain loop is always one)")
+    parser.add_argument("--one", nargs=2, metavar=("TRAINER", "CONFIG"), help="run one configuration here")
     args = parser.parse_args()
-    names = ["none", *CONFIGS]
-    times: dict[str, list[float]] = {name: [] for name in names}
-    with tempfile.TemporaryDirectory() as tmp:
-        for round_ in range(args.rounds):
-            for name in names[round_ % len(names):] + names[:round_ % len(names)]:
-                times[name] += run(name, args.steps, Path(tmp))
-    base = statistics.median(times["none"])
-    for name in names:
-        print(f"{name}: median step {statistics.median(times[name]) * 1e3:.1f} ms")
-    print(json.dumps({"load": os.getloadavg()[0], "median_step_ms_no_monitor": round(base * 1e3, 2),
-                      **{name: round(statistics.median(times[name]) / base, 3) for name in CONFIGS}}))
+    if args.one:
+        print(json.dumps(one(*args.one, args.steps)))
+        return
+    trainers = ["plain", *(t for t in args.trainers if t != "plain")]
+    runs = [(t, c) for t in trainers for c in CONFIGS]
+    times: dict[tuple[str, str], list[float]] = {run: [] for run in runs}
+    loads = []
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for round_ in range(args.rounds):
+        shift = round_ * 4 % len(runs)  # the order rotates by a trainer and a config each round
+        for trainer, config in runs[shift:] + runs[:shift]:
+            loads.append(os.getloadavg()[0])
+            done = subprocess.run([sys.executable, __file__, "--one", trainer, config, "--steps", str(args.steps)],
+                                  env=env, capture_output=True, text=True, check=True)
+            times[trainer, config] += json.loads(done.stdout.strip().splitlines()[-1])[WARMUP:]
+    result: dict = {"load": [round(min(loads), 1), round(max(loads), 1)], "steps": args.steps, "rounds": args.rounds}
+    for trainer in trainers:
+        base = statistics.median(times[trainer, "none"])
+        result[trainer] = {"median_step_ms_no_monitor": round(base * 1e3, 2),
+                           **{c: round(statistics.median(times[trainer, c]) / base, 3) for c in CONFIGS[1:]}}
+        print(f"{trainer}: " + ", ".join(f"{c} {statistics.median(times[trainer, c]) * 1e3:.1f} ms" for c in CONFIGS))
+    for trainer in trainers[1:]:
+        result[f"{trainer}_minus_plain"] = {c: round(result[trainer][c] - result["plain"][c], 3) for c in CONFIGS[1:]}
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -59,7 +59,8 @@ class StepLifecycle:
     def add_tensors(self, keys: Sequence["MetricKey"], tensors: Sequence[Any], divisor: float = 1.0, *,
                     same: Sequence["MetricKey | None"] = ()) -> None:
         """Measure `tensors` (named by `keys`) on their device; nothing reaches the host. `divisor`
-        (> 0, e.g. an fp16 loss scale still in the gradients) divides every value, exactly. `same`,
+        (> 0, e.g. an fp16 loss scale still in the gradients; a number, or a 0-d tensor on the
+        tensors' device, read there without a host sync) divides every value, exactly. `same`,
         when given, has one entry per tensor: None, or the key of an earlier row of that very
         tensor, unchanged since, added in this step (or this call) by a call that gave `same`
         too, with the same divisor; that row is repeated instead of measuring the tensor again

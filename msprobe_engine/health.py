@@ -5,9 +5,14 @@ reductions; the row layout is cached while the keys repeat), and put first in th
 step's record, so that every sink gets them:
 
     Health/loss, Health/grad_norm          train/loss, grad/global/norm
-    Health/alerts                          alert episodes started so far in this process (cumulative:
-                                           a one-step alert stays visible, smoothing or not)
+    Health/alerts                          alert episodes started so far in the run (cumulative: a
+                                           one-step alert stays visible, smoothing or not; carried
+                                           through the saved state, so a resumed run goes on counting)
     Health/lr                              the learning rate, where the integration knows it (train/lr)
+    Health/loss_scale                      the fp16 loss scale the step's backward used (train/loss_scale):
+                                           HF's/accelerate's and Lightning's GradScaler, DeepSpeed's fp16
+                                           loss scaler; an overflow step shows as Health/skipped = 1 and
+                                           a lower scale on the next step
     Health/non_finite/<kind>               nan + inf elements in actv, actv_grad, grad, param, optim
     Health/worst_deviation                 the largest fold change of a row's norm from its running average
     Health/skipped                         1 when the step's optimizer step was skipped (train/skipped)
@@ -31,6 +36,8 @@ from msprobe_engine.stats import P_INF, P_NAN
 from msprobe_engine.stats.table import MetricKey, StatTable
 
 PREFIX = "Health/"
+#: the fp16 loss scale of the step, where an integration knows it (Health/loss_scale)
+LOSS_SCALE = MetricKey("train", "loss_scale")
 #: the kinds whose non-finite elements are counted, in this order
 KINDS = ("actv", "actv_grad", "grad", "param", "optim")
 
@@ -42,20 +49,22 @@ class HealthMeter:
         self.rules = list(dict.fromkeys(rules))
         self._norms = RunningNorms()
         self._open: set[tuple[str, str]] = set()  # (rule, tag) of the open episodes
-        self._started = 0  # episodes started so far
+        #: alert episodes started so far (Health/alerts; saved with the monitor's state)
+        self.started = 0
         self._keys: list[MetricKey] = []
         self._kind = np.zeros(0, dtype=np.int64)  # index into KINDS, -1 for other rows
 
     def __call__(self, table: StatTable, events: list[AlertEvent], metrics: dict[str, float],
                  monitor_ms: float) -> dict[str, float]:
         """`Health/*` of the step whose rows are `table`, followed by its `metrics`."""
-        self._started += sum(event.phase == "start" for event in events)
+        self.started += sum(event.phase == "start" for event in events)
         health = {f"{PREFIX}{name}": metrics[tag] for name, tag in
                   (("loss", "train/loss"), ("grad_norm", "grad/global/norm"), ("lr", "train/lr"),
+                   ("loss_scale", "train/loss_scale"),
                    ("tokens_per_s", "train/tokens_per_s"), ("samples_per_s", "train/samples_per_s"),
                    ("memory/cpu_rss_mb", "train/cpu_rss_mb"), ("memory/device_mb", "train/device_mem_mb"))
                   if tag in metrics}
-        health[f"{PREFIX}alerts"] = float(self._started)
+        health[f"{PREFIX}alerts"] = float(self.started)
         kind = self._kinds(table.keys)
         counts = np.bincount(kind + 1, weights=table.partials[:, P_NAN] + table.partials[:, P_INF],
                              minlength=len(KINDS) + 1)[1:]
@@ -76,9 +85,11 @@ class HealthMeter:
         health.update(metrics)
         return health
 
-    def restore(self, episodes: list[tuple[str, str]]) -> None:
-        """The (rule, tag) of the episodes open when the run was saved (a resumed run)."""
+    def restore(self, episodes: list[tuple[str, str]], started: int) -> None:
+        """A resumed run: the (rule, tag) of the episodes open when it was saved, and the number
+        of episodes started until then."""
         self._open = set(episodes)
+        self.started = started
 
     def _kinds(self, keys: list[MetricKey]) -> np.ndarray:
         if keys != self._keys:

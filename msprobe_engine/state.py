@@ -1,7 +1,10 @@
 """The monitor's saved state: a versioned dict of plain Python types (`torch.save`-able).
 
     {"version": 1, "step": 120, "rules": [{"rule": "spike", "state": {...}}, ...],
-     "episodes": {...open alert episodes...}, "incidents": {"count": 2, ...}, "records_written": 120}
+     "episodes": {...open alert episodes...}, "incidents": {"count": 2, ...}, "records_written": 120,
+     "alerts_started": 3}
+
+(`alerts_started`, the count behind Health/alerts, is absent from states saved before it: 0.)
 
 Where each integration saves it: docs/architecture.md ("State across a restart").
 """
@@ -28,7 +31,7 @@ def check_state(state: Any, rules: list[str]) -> None:
     if state["version"] != STATE_VERSION:
         raise ConfigError(f"monitor state: version {str(state['version'])[:40]} is not supported (this release reads "
                           f"version {STATE_VERSION})")
-    for key in ("step", "records_written"):
+    for key in ("step", "records_written", "alerts_started"):
         value = state.get(key, 0)
         if key == "step" and "step" not in state:
             raise ConfigError("monitor state: step: missing")

@@ -18,7 +18,10 @@ What is read, and where (plain PyTorch; see below for `--deepspeed`):
   the hooks fire before DDP has averaged the gradients: they are read at
   `on_pre_optimizer_step` instead, averaged and clipped, and the skip/stop decision is made
   to agree over the ranks (one all-reduce of two flags per monitored step);
-- parameters and optimizer state: after the optimizer step (`on_optimizer_step`).
+- parameters and optimizer state: after the optimizer step (`on_optimizer_step`);
+- fp16 AMP (accelerate's GradScaler): the step's loss scale as `train/loss_scale`, the
+  gradients of the one-process path divided by it (its device tensor, no host sync), and a
+  step the scaler skipped (an overflow: its scale went down) as `train/skipped` = 1.
 
 Actions: `stop` sets the Trainer's `control.should_training_stop` (the stopping step's
 optimizer step is skipped; the Trainer ends after it as after its last step). The Trainer
@@ -37,8 +40,8 @@ Trainer checkpoint (`trainer_state.json`, as an `ExportableState`) and restored 
 stays open and a spike rule keeps its running average.
 
 Step numbers are the Trainer's: a record's step is the `state.global_step` the Trainer logs
-for that optimizer step (after its increment), so the first step is 1. (Before, the first
-step was 0: the monitor's step N was HF's global_step N+1.)
+for that optimizer step (after its increment), so the first step is 1, with `--deepspeed`
+too. (Before, the first step was 0: the monitor's step N was HF's global_step N+1.)
 """
 from __future__ import annotations
 
@@ -56,8 +59,8 @@ from msprobe_engine.incident.actions import TrainingStopped
 from msprobe_engine.monitor import Monitor
 from msprobe_engine.handles import Handles
 from msprobe_engine.stats.table import MetricKey
-from msprobe_integrations.trainer_adapter import ALERTS_KEY, AlertCount, TrainerAdapter, announce, quiet, \
-    speak_through_progress_bar
+from msprobe_integrations.trainer_adapter import ALERTS_KEY, AlertCount, TrainerAdapter, announce, \
+    optimizer_settings, quiet, record_hyperparameters, speak_through_progress_bar
 from msprobe_integrations.trainer_hooks import resumed_config
 
 __all__ = ["MonitorCallback"]
@@ -106,16 +109,19 @@ class MonitorCallback(TrainerCallback, ExportableState):
         engine = _deepspeed_engine(model) if args.deepspeed or _accelerate_uses_deepspeed() else None
         saved = self._saved_state(state)
         config = resumed_config(self.config, saved is not None)
+        # the monitor's step is the Trainer's global_step once that step is done (on_log's)
         if engine is not None:
-            self.monitor = _deepspeed_monitor(engine, config, self)
+            self.monitor = _deepspeed_monitor(engine, config, self, state.global_step + 1)
         else:
             # with average_tokens_across_devices the Trainer multiplies a token share by the ranks
-            # the monitor's step is the Trainer's global_step once that step is done (on_log's)
             self.monitor = TrainerHooks(model, optimizer, config, start_step=state.global_step + 1,
                                         ranks=args.world_size,
                                         share_scale=args.world_size if args.average_tokens_across_devices else 1)
         if saved is not None:
             self.monitor.load_state_dict(saved)
+        model_config = getattr(model, "config", None)
+        record_hyperparameters(self.monitor, trainer=args.to_dict(), optimizer=optimizer_settings(optimizer),
+                               model=model_config.to_dict() if hasattr(model_config, "to_dict") else None)
         self._alerts = AlertCount(self.monitor)
         self._handler = speak_through_progress_bar()
         if state.is_world_process_zero:
@@ -167,6 +173,7 @@ class TrainerHooks(TrainerAdapter):
         self.model = model
         self.share_scale = share_scale
         self.optimizer = _torch_optimizer(optimizer, monitor.warn)
+        self.scaler = getattr(optimizer, "scaler", None)  # accelerate's optimizer holds its loss scaler
         if not isinstance(model, torch.nn.Module):
             monitor.warn(f"MonitorCallback: the Trainer's model is a {type(model).__name__}, not a torch.nn.Module: "
                          "activations, gradients and the loss are not monitored")
@@ -207,9 +214,13 @@ class TrainerHooks(TrainerAdapter):
             self._grads.append((key, param.grad))
 
     def _measure_grads(self) -> None:
+        """The gradients of the step, divided by the fp16 loss scale of accelerate's GradScaler
+        (the scaler's device tensor: no host sync; they are unscaled only after this)."""
         grads, self._grads = self._grads, []
         with self.monitor.guard("gradient hook"):
-            self.monitor.add_tensors([key for key, _ in grads], [grad for _, grad in grads])
+            scale = self.loss_scale()
+            self.monitor.add_tensors([key for key, _ in grads], [grad for _, grad in grads],
+                                     divisor=1.0 if scale is None else scale)
 
     # ---- lifecycle (called by the callback) ---------------------------------------
     def before_optimizer_step(self) -> bool:
@@ -223,8 +234,8 @@ class TrainerHooks(TrainerAdapter):
         return self.decide_step(self.optimizer)
 
     def after_optimizer_step(self) -> None:
-        """After the Trainer's optimizer step: the gradients back, `train/skipped`, what the step
-        changed (`TrainerAdapter.finish_step`)."""
+        """After the Trainer's optimizer step: the gradients back, what the step changed
+        (`TrainerAdapter.finish_step`)."""
         self.finish_step(self.optimizer)
 
 
@@ -261,12 +272,13 @@ def _deepspeed_engine(model: Any) -> Any:
     return engines[-1] if engines else None
 
 
-def _deepspeed_monitor(engine: Any, config: ConfigSource, callback: MonitorCallback) -> Integration:
-    """`DeepSpeedMonitor` on the Trainer's engine; its `stop` ends the Trainer's run instead of
-    raising out of `trainer.train()` (the stopping step's DeepSpeed step is not run)."""
+def _deepspeed_monitor(engine: Any, config: ConfigSource, callback: MonitorCallback, start_step: int) -> Integration:
+    """`DeepSpeedMonitor` on the Trainer's engine, its steps numbered from `start_step`; its
+    `stop` ends the Trainer's run instead of raising out of `trainer.train()` (the stopping
+    step's DeepSpeed step is not run)."""
     from msprobe_integrations.deepspeed import DeepSpeedMonitor
 
-    adapter = DeepSpeedMonitor(engine, config)
+    adapter = DeepSpeedMonitor(engine, config, start_step=start_step)
     monitored_step = engine.step
 
     def step(*args: Any, **kwargs: Any) -> Any:

@@ -10,7 +10,9 @@ What is read, and where (automatic optimization; single device and DDP):
   by the accumulation count), summed per optimizer step: the mean over its micro-batches;
 - parameter gradients: `on_before_optimizer_step`, after the last backward of the step (and
   after DDP's all-reduce) and BEFORE Lightning clips them (`gradient_clip_val`);
-- parameters and optimizer state: in the torch optimizer's step post-hook.
+- parameters and optimizer state: in the torch optimizer's step post-hook;
+- `16-mixed` (the precision plugin's GradScaler): the step's loss scale as
+  `train/loss_scale`, and a step the scaler skipped (an overflow) as `train/skipped` = 1.
 
 Actions: `stop` sets `trainer.should_stop` (the stopping step's optimizer step is skipped).
 Lightning has no way to skip one optimizer step: `skip` sets the gradients aside
@@ -37,8 +39,8 @@ from lightning.pytorch import Callback
 from msprobe_engine.config import ConfigSource, load_config
 from msprobe_engine.handles import Handles
 from msprobe_engine.monitor import Monitor
-from msprobe_integrations.trainer_adapter import ALERTS_KEY, AlertCount, TrainerAdapter, announce, quiet, \
-    speak_through_progress_bar
+from msprobe_integrations.trainer_adapter import ALERTS_KEY, AlertCount, TrainerAdapter, announce, \
+    optimizer_settings, quiet, record_hyperparameters, speak_through_progress_bar
 from msprobe_integrations.trainer_hooks import resumed_config
 
 __all__ = ["MonitorCallback"]
@@ -56,8 +58,9 @@ class MonitorCallback(Callback):
 
     Inside the Trainer: the run directory is printed once when training starts; the monitor's
     alerts and warnings are printed above the progress bar (`tqdm.write`, unless logging is
-    configured); ``msprobe/alerts``, the number of alert episodes started so far, is logged
-    with `LightningModule.log` after every step (the logger, `trainer.callback_metrics`)."""
+    configured); ``msprobe/alerts``, the number of alert episodes started so far, goes to the
+    loggers and `trainer.callback_metrics` after every optimizer step (as `LearningRateMonitor`
+    logs)."""
 
     def __init__(self, config: ConfigSource = None) -> None:
         if config is not None:
@@ -83,6 +86,10 @@ class MonitorCallback(Callback):
         self.monitor = LightningHooks(trainer, pl_module, resumed_config(self.config, bool(self._saved)))
         if self._saved:
             self.monitor.load_state_dict(self._saved)
+        datamodule = getattr(trainer, "datamodule", None)
+        record_hyperparameters(self.monitor, module=dict(pl_module.hparams), trainer=_trainer_settings(trainer),
+                               optimizers=[optimizer_settings(o) for o in trainer.optimizers],
+                               datamodule=dict(datamodule.hparams) if hasattr(datamodule, "hparams") else None)
         self._alerts = AlertCount(self.monitor)
         self._handler = speak_through_progress_bar()
         if trainer.is_global_zero:
@@ -100,14 +107,32 @@ class MonitorCallback(Callback):
             trainer.should_stop = True
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.monitor.batch_end(trainer.global_step)
-        pl_module.log(ALERTS_KEY, float(self._alerts.total), on_step=True, on_epoch=False, reduce_fx="max",
-                      sync_dist=False, rank_zero_only=True)
+        if self.monitor.batch_end(trainer.global_step):
+            self._log_alerts(trainer)
+
+    def _log_alerts(self, trainer) -> None:
+        """The alert count after an optimizer step, to the loggers and `trainer.callback_metrics`
+        as `LearningRateMonitor` logs its rates (a `LightningModule.log` call costs Lightning
+        more than the monitor's own step on a small model: it copies its result metadata)."""
+        total = float(self._alerts.total)
+        trainer.callback_metrics[ALERTS_KEY] = torch.tensor(total)
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics({ALERTS_KEY: total}, step=trainer.global_step)
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.monitor.close()
         quiet(self._handler)
         self._handler = None
+
+
+def _trainer_settings(trainer: Any) -> dict[str, Any]:
+    """What of the Lightning Trainer changes the numbers (or the steps)."""
+    return {"max_steps": trainer.max_steps, "max_epochs": trainer.max_epochs,
+            "accumulate_grad_batches": trainer.accumulate_grad_batches,
+            "gradient_clip_val": trainer.gradient_clip_val, "gradient_clip_algorithm": trainer.gradient_clip_algorithm,
+            "precision": trainer.precision, "strategy": type(trainer.strategy).__name__,
+            "world_size": trainer.world_size, "num_nodes": trainer.num_nodes}
 
 
 class LightningHooks(TrainerAdapter):
@@ -135,6 +160,10 @@ class LightningHooks(TrainerAdapter):
         self.reads = OptimizerHooks(monitor, module, None, read_grads=True)
         self._stepped = False
         self._global_step = trainer.global_step
+        self._stepping: Any = None  # the optimizer of the step being taken
+        # 16-mixed: Lightning unscales the gradients before on_before_optimizer_step; its
+        # GradScaler skips the optimizer's step on an overflow (global_step still advances)
+        self.scaler = getattr(trainer.precision_plugin, "scaler", None)
         handles = []
         if self.reads_model:
             for optimizer in trainer.optimizers:
@@ -155,6 +184,7 @@ class LightningHooks(TrainerAdapter):
     def before_optimizer_step(self, optimizer: Any) -> bool:
         """The accumulated, unclipped gradients; the decision. True: a `stop` rule fired."""
         self.report_losses(torch.sum)
+        self._stepping = optimizer
         if not self.reads_model:
             return False
         self.reads.before_step()
@@ -165,9 +195,15 @@ class LightningHooks(TrainerAdapter):
         if self.finish_step(optimizer):
             self._stepped = True
 
-    def batch_end(self, global_step: int) -> None:
-        """After a batch: closes the optimizer step when this batch ended one."""
-        stepped = self._stepped or (not self.reads_model and global_step != self._global_step)
-        self._stepped, self._global_step = False, global_step
+    def batch_end(self, global_step: int) -> bool:
+        """After a batch: closes the optimizer step when this batch ended one (returns whether it
+        did: Lightning's global_step advanced). A step Lightning took whose torch optimizer did
+        not step (its loss scaler skipped it: an fp16 overflow) is finished here, as skipped."""
+        advanced = global_step != self._global_step
+        if advanced and self.reads_model and not self._stepped and self._stepping is not None:
+            self._stepped = self.finish_step(self._stepping, overflow=True)
+        stepped = self._stepped or (not self.reads_model and advanced)
+        self._stepped, self._global_step, self._stepping = False, global_step, None
         if stepped:
             self.monitor.step_end()
+        return advanced

@@ -15,8 +15,8 @@ import torch
 
 from msprobe_engine.contract import Integration
 from msprobe_engine.frameworks.torch.optimizer_hooks import SKIPPED, restore_grads
+from msprobe_engine.health import LOSS_SCALE
 from msprobe_engine.monitor import Monitor
-from msprobe_engine.records import StepRecord
 from msprobe_engine.stats.table import MetricKey
 from msprobe_integrations.trainer_hooks import decide
 
@@ -38,12 +38,17 @@ class TrainerAdapter(Integration):
         super().__init__(monitor)
         self.ranks = ranks
         self.reads: Any = None
+        #: the trainer's loss scaler (a torch `GradScaler`: fp16 AMP), or None
+        self.scaler: Any = None
         #: a `stop` rule fired: the trainer ends after this step
         self.stopped = False
         self._losses: list[torch.Tensor] = []
         self._held: list = []
         self._samples = self._tokens = 0  # counted since the previous step's end
         self._step_ended: float | None = None  # perf_counter at the previous step's end
+        self._skipped: bool | None = None  # the finished step's skip (None: none finished)
+        self._scale_before: torch.Tensor | None = None  # the loss scale the step began with
+        monitor.add_step_closer(self)
 
     def keep_loss(self, loss: Any) -> None:
         """One micro-batch's loss (a tensor), kept on the device until the decision."""
@@ -70,30 +75,40 @@ class TrainerAdapter(Integration):
     def decide_step(self, optimizer: Any) -> bool:
         """The decision before the trainer's optimizer step (the gradients are read by then).
         True: a `stop` rule fired (the step is then skipped too)."""
+        scale = self.loss_scale()
+        if scale is not None and self.monitor.active:
+            with self.monitor.guard("loss scale"):
+                self._scale_before = scale.clone()
+                self.monitor.add_tensors([LOSS_SCALE], [scale])
         stop, self._held = decide(self.monitor, self.ranks, optimizer)
         self.stopped = self.stopped or stop
         return stop
 
-    def finish_step(self, optimizer: Any) -> bool:
-        """After the trainer's optimizer step: the gradients back, `train/skipped`, what the
-        step changed, the learning rate (`train/lr`), the throughput and memory. After a `stop`, nothing more is measured or closed (as when
-        `TrainingStopped` propagates: `close` writes the stopping step); returns False then."""
-        skipped = bool(self._held)
+    def loss_scale(self) -> torch.Tensor | None:
+        """The scale this step's backward multiplied the loss by: the scaler's own device tensor
+        (read without a host sync; the scaler updates it after the optimizer step). None
+        without a scaler, or before its first use."""
+        scale = getattr(self.scaler, "_scale", None)  # GradScaler keeps it there (get_scale() syncs)
+        return scale.reshape(()) if isinstance(scale, torch.Tensor) else None
+
+    def finish_step(self, optimizer: Any, overflow: bool = False) -> bool:
+        """After the trainer's optimizer step: the gradients back, what the step changed, the
+        learning rate (`train/lr`), the throughput and memory; `train/skipped` follows at the
+        step's end (`close_step`). `overflow`: the trainer's loss scaler skipped the step. After
+        a `stop`, nothing more is measured or closed (as when `TrainingStopped` propagates:
+        `close` writes the stopping step); returns False then."""
+        self._skipped = bool(self._held) or overflow
         restore_grads(self._held)
         self._held = []
         if self.stopped:
+            self._skipped = None
             return False
         monitor = self.monitor
         if monitor.active:
             with monitor.guard("optimizer post-step"):
-                keys, values = [SKIPPED], [monitor.backend.scalar(1.0 if skipped else 0.0)]
-                lr = _learning_rate(optimizer)
-                measured = {LR: lr, **self._throughput(), **_memory()}
-                for key, value in measured.items():
-                    if value is not None:
-                        keys.append(key)
-                        values.append(monitor.backend.scalar(value))
-                monitor.add_tensors(keys, values)
+                measured = {LR: _learning_rate(optimizer), **self._throughput(), **_memory()}
+                keys = [key for key, value in measured.items() if value is not None]
+                monitor.add_tensors(keys, [monitor.backend.scalar(measured[key]) for key in keys])
         self._step_ended = time.perf_counter()
         self._samples = self._tokens = 0
         if self.reads is not None and optimizer is not None:
@@ -101,6 +116,24 @@ class TrainerAdapter(Integration):
         monitor.after_optimizer_step()
         return True
 
+    def close_step(self, loss: Any) -> Any:
+        """At the step's end (a step closer; the loss scaler has updated by then): `train/skipped`,
+        1 after a `skip`, or when the loss scaler skipped the step: its scale went down (a device
+        comparison, no host sync; GradScaler backs off only on an inf/nan gradient)."""
+        skipped, before, self._skipped, self._scale_before = self._skipped, self._scale_before, None, None
+        monitor = self.monitor
+        if skipped is None or not monitor.active:
+            return loss
+        with monitor.guard("skipped step"):
+            flag = monitor.backend.scalar(1.0 if skipped else 0.0)
+            now = self.loss_scale()
+            if not skipped and before is not None and now is not None:
+                flag = (now < before).to(torch.float32)
+            monitor.add_tensors([SKIPPED], [flag])
+        return loss
+
+    def step_closed(self) -> None:
+        """(A step closer's second call: nothing to do.)"""
 
     def _throughput(self) -> dict[MetricKey, float | None]:
         """Samples and tokens per second since the previous step's end (none for the first step)."""
@@ -135,14 +168,15 @@ def _learning_rate(optimizer: Any) -> float | None:
 
 class AlertCount:
     """The number of alert episodes a monitor has started so far (for the trainer's logs,
-    under `ALERTS_KEY`): a cumulative count, so a one-step alert stays visible."""
+    under `ALERTS_KEY`): the cumulative count behind `Health/alerts`, so a one-step alert
+    stays visible and a resumed run goes on from its saved count."""
 
     def __init__(self, monitor: Any) -> None:
-        self.total = 0
-        monitor.step_end_listeners.append(self._add)
+        self._health = monitor.pipeline.emitter.health  # counts as each step's record is built
 
-    def _add(self, record: StepRecord) -> None:
-        self.total += sum(event.phase == "start" for event in record.alerts)
+    @property
+    def total(self) -> int:
+        return self._health.started
 
 
 class ProgressBarHandler(logging.Handler):
@@ -173,6 +207,27 @@ def quiet(handler: ProgressBarHandler | None) -> None:
     """Remove the handler `speak_through_progress_bar` added."""
     if handler is not None:
         logging.getLogger("msprobe_engine").removeHandler(handler)
+
+
+#: settings that name this run's place, not its numerics (config-check would report them all)
+RUN_PLACES = ("output_dir", "logging_dir", "run_name", "default_root_dir", "hub_model_id")
+
+
+def record_hyperparameters(monitor: Any, **sections: Any) -> None:
+    """The trainer's hyper-parameters (`sections`: e.g. trainer=..., model=..., optimizer=...)
+    into the run's environment.json, where `msprobe-engine config-check` compares them; the
+    run's paths and name left out. On the writer thread; nothing on a rank that writes no run."""
+    with monitor.guard("hyper-parameters"):
+        monitor.record_environment(hyperparameters={
+            name: {k: v for k, v in values.items() if k not in RUN_PLACES} if isinstance(values, dict) else values
+            for name, values in sections.items() if values is not None})
+
+
+def optimizer_settings(optimizer: Any) -> dict[str, Any] | None:
+    """The torch optimizer's type and defaults (lr, betas, eps, weight_decay, ...), or None."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's and Lightning's wrappers
+    defaults = getattr(inner, "defaults", None)
+    return {"type": type(inner).__name__, **defaults} if isinstance(defaults, dict) else None
 
 
 def announce(monitor: Monitor) -> None:

@@ -217,6 +217,9 @@ def test_fp16_overflow_steps_are_reported_as_skipped_not_as_anomalies(launches, 
         assert math.isfinite(record["metrics"]["train/loss"])
     # applied steps ran with a loss scale of 2^15: the reported gradients are divided by it
     assert result["scales"][2:] == [2.0 ** 15] * 3
+    # the loss scale of each step (before DeepSpeed halves it on an overflow), on the landing page
+    assert [r["metrics"]["Health/loss_scale"] for r in records] == result["scales"] == [2.0 ** 17, 2.0 ** 16] + \
+        [2.0 ** 15] * 3
     assert 1e-3 < records[2]["metrics"]["grad/global/norm"] < 10
 
 

@@ -91,6 +91,7 @@ def test_resume_from_a_checkpoint_keeps_the_open_alert_episode(tmp_path):
     assert [r.step for r in records] == [3, 4] and trainer.state.global_step == 4
     assert all(math.isnan(r.metrics[f"actv/{LAYER}/output/norm"]) for r in records)
     assert [a for r in records for a in r.alerts] == []
+    assert [r.metrics["Health/alerts"] for r in records] == [1.0, 1.0]  # the count before the checkpoint goes on
     assert list(incidents(tmp_path / "run")) == ["step2-rank0-non_finite"]
 
 
@@ -142,10 +143,11 @@ def _deepspeed_rank(rank: int, world: int, out: str) -> dict:
                      "zero_optimization": {"stage": stage}, "gradient_clipping": "auto",
                      "msprobe": action_config(root / "monitor", "skip")}  # the monitor, from the DeepSpeed config
         AcceleratorState._reset_state(True)  # a new DeepSpeed plugin for this Trainer
-        callback, trainer = hf_run(root, None, faults={1}, deepspeed=ds_config, max_steps=3, rows=48)
+        callback, trainer = hf_run(root, None, faults={1}, deepspeed=ds_config, max_steps=3, rows=48, logging_steps=1)
         history = list(callback.monitor.history)
         results[stage] = {"adapter": isinstance(callback.monitor, DeepSpeedMonitor),
                           "steps": [r.step for r in history],
+                          "logged": [entry["step"] for entry in trainer.state.log_history if "loss" in entry],
                           "norms": [r.metrics[f"actv/{LAYER}/output/norm"] for r in history],
                           "numel": history[0].metrics[f"actv/{LAYER}/output/numel"],
                           "exp_avg": [r.metrics["optim/transformer.h.0.mlp.c_fc.weight/exp_avg/norm"] for r in history],
@@ -159,12 +161,13 @@ def test_deepspeed_zero2_and_zero3_on_two_ranks_merge_and_name_the_layer(tmp_pat
     for rank, by_stage in enumerate(results):
         for stage, result in by_stage.items():
             assert result["adapter"] and result["global_step"] == 3, stage
-            assert result["steps"] == [0, 1, 2], stage  # every rank holds the merged records
+            # the Trainer's global_step, as without DeepSpeed; every rank holds the merged records
+            assert result["steps"] == result["logged"] == [1, 2, 3], stage
             assert math.isnan(result["norms"][1]) and math.isfinite(result["norms"][2]), stage
             # merged over the ranks: both ranks' micro-batches (2 ranks x GAS x 2 rows x 16 tokens x 32)
             assert result["numel"] == 2 * GAS * 2 * 16 * 32, stage
-            assert result["exp_avg"][1] == result["exp_avg"][0] != result["exp_avg"][2], stage  # step 1 skipped
-            incident = result["incidents"][f"step1-rank{rank}-non_finite"]
+            assert result["exp_avg"][1] == result["exp_avg"][0] != result["exp_avg"][2], stage  # step 2 skipped
+            incident = result["incidents"][f"step2-rank{rank}-non_finite"]
             assert (incident["action"], incident["culprit"]["call"]) == ("skip", LAYER), stage
     numbers = [{stage: {k: v for k, v in r.items() if k != "incidents"} for stage, r in by_stage.items()}
                for by_stage in results]

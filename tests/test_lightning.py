@@ -83,6 +83,8 @@ def test_resume_from_a_checkpoint_keeps_the_open_alert_episode(tmp_path):
     assert [r.step for r in records] == [3, 4] and trainer.global_step == 4
     assert all(math.isnan(r.metrics[f"actv/{LIT_LAYER}/output/norm"]) for r in records)
     assert [a for r in records for a in r.alerts] == []  # the episode open at the checkpoint goes on
+    assert [r.metrics["Health/alerts"] for r in records] == [1.0, 1.0]  # the count before the checkpoint goes on
+    assert float(trainer.callback_metrics["msprobe/alerts"]) == 1.0
     assert list(incidents(tmp_path / "run")) == ["step2-rank0-non_finite"]
 
 

@@ -81,6 +81,21 @@ def test_an_alert_open_when_the_run_stopped_is_still_open_after_resume(tmp_path)
     assert alert == [0.0, 1.0, 1.0, 0.0]
 
 
+def test_the_alert_count_goes_on_after_resume(tmp_path):
+    config = {"output_dir": str(tmp_path), "run_name": "r", "sinks": ["jsonl"]}
+    run(config, [1.0, float("nan"), 1.0])  # one episode: steps 1..1
+    run({**config, "resume": True}, [float("nan"), 1.0])  # the second episode: step 3
+    counts = [json.loads(line)["metrics"]["Health/alerts"]
+              for line in (tmp_path / "r" / "rank0" / "metrics.jsonl").read_text().splitlines()]
+    assert counts == [0.0, 1.0, 1.0, 2.0, 2.0]
+    state = json.loads((tmp_path / "r" / "rank0" / "monitor_state.json").read_text())
+    assert state["alerts_started"] == 2
+    del state["alerts_started"]  # a state saved before the count was: it starts from 0
+    (tmp_path / "r" / "rank0" / "monitor_state.json").write_text(json.dumps(state))
+    resumed = run({**config, "resume": True}, [float("nan")])
+    assert resumed.history[-1].metrics["Health/alerts"] == 1.0
+
+
 def test_resume_without_a_name_continues_the_latest_run(tmp_path):
     run({"output_dir": str(tmp_path), "run_name": "old"}, [1.0])
     latest = run({"output_dir": str(tmp_path), "run_name": "new"}, [1.0, 2.0])
@@ -198,6 +213,7 @@ def _saved(tmp_path, **changes):
     ({"rules": "spike"}, "rules"), ({"rules": [7]}, r"rules\[0\]"), ({"rule_state": "abc"}, r"rules\[0\]"),
     ({"rule_state": {"average": {"train/loss": "x"}}}, r"rules\[0\] \(spike\).state"),
     ({"records_written": -1}, "records_written"), ({"incidents": [1]}, "incidents"),
+    ({"alerts_started": "2"}, "alerts_started"),
 ])
 def test_a_malformed_saved_state_is_a_config_error_naming_the_field(tmp_path, changes, field):
     config = _saved(tmp_path, **changes)

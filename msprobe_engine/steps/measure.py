@@ -42,7 +42,7 @@ class Measurer:
         measured = [t for t, prior in zip(tensors, same) if prior is None] if same else tensors
         if not measured:
             rows = None
-        elif divisor == 1.0:  # packed into rows with the step's others, at the transfer
+        elif not hasattr(divisor, "shape") and divisor == 1.0:  # packed into rows with the step's others, at the transfer
             rows = backend.partial_stats(measured, count_zeros=self.count_zeros, deferred=True)
         else:
             rows = divide(backend.partial_stats(measured, count_zeros=self.count_zeros), divisor)

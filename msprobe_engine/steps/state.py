@@ -23,7 +23,15 @@ def save_state(pipeline: StepPipeline) -> dict[str, Any]:
         "episodes": pipeline.tracker.state_dict(),
         "incidents": incidents.state_dict() if incidents is not None else None,
         "records_written": pipeline.emitter.records_written,
+        "alerts_started": alerts_started(pipeline),
     }
+
+
+def alerts_started(pipeline: StepPipeline) -> int:
+    """Alert episodes started so far (Health/alerts): those in the records emitted, and those of
+    the steps decided whose records are still held (they are emitted by this run, not the resumed one)."""
+    held = sum(event.phase == "start" for _, events in pipeline.held.tables.values() for event in events)
+    return pipeline.emitter.health.started + held
 
 
 def load_state(pipeline: StepPipeline, state: dict[str, Any]) -> None:
@@ -34,7 +42,8 @@ def load_state(pipeline: StepPipeline, state: dict[str, Any]) -> None:
     restore([(f"rules[{i}] ({rule.name}).state", functools.partial(rule.load_state_dict, saved.get("state", {})))
              for i, (rule, saved) in enumerate(zip(pipeline.rules, state["rules"]))]
             + [("episodes", functools.partial(tracker.load_state_dict, state["episodes"])),
-               ("episodes", lambda: pipeline.emitter.health.restore([(f.rule, f.tag) for f in tracker.open_episodes()]))]
+               ("episodes", lambda: pipeline.emitter.health.restore([(f.rule, f.tag) for f in tracker.open_episodes()],
+                                                                   state.get("alerts_started", 0)))]
             + ([("incidents", functools.partial(incidents.load_state_dict, state["incidents"]))]
                if incidents is not None and state.get("incidents") else []))
     pipeline.clock.go_to(state["step"])

@@ -66,9 +66,13 @@ class DeepSpeedMonitor(Integration):
     `engine_monitor=True` also sends every step's metrics through `engine.monitor`
     (DeepSpeed's own TensorBoard/CSV/W&B monitor, when its config enables one), at
     DeepSpeed's x-axis (samples).
+
+    `start_step`: the monitor's number of the engine's next optimizer step (default
+    `engine.global_steps`; the HF Trainer's callback passes its `global_step + 1`).
     """
 
-    def __init__(self, engine: Any, config: ConfigSource = None, *, engine_monitor: bool = False) -> None:
+    def __init__(self, engine: Any, config: ConfigSource = None, *, engine_monitor: bool = False,
+                 start_step: int | None = None) -> None:
         _check_engine(engine)
         import torch.distributed as dist
 
@@ -85,8 +89,10 @@ class DeepSpeedMonitor(Integration):
         group = getattr(engine, "seq_data_parallel_group", None) or engine.data_parallel_group
         reducer = RankMerge(group, per_rank=config.per_rank)
         # steps follow DeepSpeed's, also after a resume
+        start_step = engine.global_steps if start_step is None else start_step
+        self._step_offset = start_step - engine.global_steps
         monitor = Monitor(config, rank=dist.get_rank() if distributed else 0, backend=torch_backend,
-                          reducer=reducer, start_step=engine.global_steps)
+                          reducer=reducer, start_step=start_step)
         super().__init__(monitor)
         self.engine = engine
         if engine.mpu is not None:
@@ -111,7 +117,7 @@ class DeepSpeedMonitor(Integration):
             return
 
         def send(record) -> None:
-            samples = (record.step + 1) * engine.train_batch_size()
+            samples = (record.step - self._step_offset + 1) * engine.train_batch_size()
             events = [(tag, value, samples) for tag, value in record.metrics.items()]
             monitor.writer.submit(lambda: engine.monitor.write_events(events), "DeepSpeed monitor write")
 

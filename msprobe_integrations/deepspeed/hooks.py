@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 import torch
 
 from msprobe_engine.frameworks.torch.optimizer_hooks import STATE_NAMES
+from msprobe_engine.health import LOSS_SCALE
 from msprobe_engine.incident.actions import TrainingStopped
 from msprobe_engine.incident.graph import INPUT_GRAD_KIND
 from msprobe_engine.stats import P_INF, P_NAN
@@ -111,6 +112,9 @@ class EngineHooks:
         if monitor.active and losses:  # the step's micro-batch losses, measured at once
             with monitor.guard("DeepSpeed loss"):
                 monitor.report_loss(torch.stack(losses))
+        scale = getattr(self.engine.optimizer, "loss_scale", None) if self.fp16 else None
+        if monitor.active and isinstance(scale, (int, float)):  # the step's fp16 loss scale (Health/loss_scale)
+            monitor.add_tensors([LOSS_SCALE], [monitor.backend.scalar(float(scale))])
         if monitor.active and reader is not None:
             if self.grad_keys:
                 self._add(self.grad_keys, reader.grads, "DeepSpeed gradients", divisor=self._loss_scale())
