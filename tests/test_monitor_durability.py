@@ -1,0 +1,83 @@
+"""Durability of the monitor's records: a run that ends without `Monitor.close()` (a normal
+end, an exception, SIGTERM, SIGINT) keeps the record of every step it ended, in every sink
+(metrics.jsonl, metrics.csv, the TensorBoard events), and its saved state; a signal still ends
+the process by that signal. The child (`monitor_exit_run.py`) has a sink that sleeps 50 ms per
+record, so its writer is behind when the loop ends: before the exit guard, 20 steps left 6
+lines in metrics.jsonl."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+TESTS = Path(__file__).parent
+RUN = [sys.executable, str(TESTS / "monitor_exit_run.py")]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
+#: a rule whose action needs the decision before the optimizer step: each step's record waits
+#: for the next step's transfer (the last one for close(), or the exit guard)
+EARLY = {"alerts": [{"rule": "non_finite", "action": "skip"}]}
+
+
+def _args(out: Path, steps: int, usage: str, **config) -> list[str]:
+    return [*RUN, str(out), str(steps), usage, json.dumps(config)]
+
+
+def _steps_in_every_sink(out: Path) -> list[int]:
+    """The steps recorded, the same in metrics.jsonl, metrics.csv and the TensorBoard events."""
+    rank = out / "run" / "rank0"
+    lines = (rank / "metrics.jsonl").read_text().splitlines()
+    jsonl = [json.loads(line)["step"] for line in lines]
+    with open(rank / "metrics.csv", newline="") as file:
+        in_csv = sorted({int(row["step"]) for row in csv.DictReader(file)})
+    events = EventAccumulator(str(rank), size_guidance={"scalars": 0}).Reload()
+    in_tb = [event.step for event in events.Scalars("Health/loss")]
+    assert jsonl == in_csv == in_tb, (jsonl, in_csv, in_tb)
+    return jsonl
+
+
+def _counters(child_stdout: str) -> dict:
+    return json.loads(child_stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [{}, EARLY], ids=["default", "decided_early"])
+def test_every_step_is_recorded_at_exit_without_close(tmp_path, config):
+    child = subprocess.run(_args(tmp_path, 20, "steps", **config), capture_output=True, text=True, env=ENV,
+                           timeout=300)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert _steps_in_every_sink(tmp_path) == list(range(20))
+    assert _counters(child.stdout) == {"records_written": 20, "dropped": 0, "failures": {}}
+    assert json.loads((tmp_path / "run" / "rank0" / "monitor_state.json").read_text())["step"] == 20
+
+
+@pytest.mark.slow
+def test_an_exception_leaving_the_loop_keeps_every_ended_step(tmp_path):
+    child = subprocess.run(_args(tmp_path, 12, "raise"), capture_output=True, text=True, env=ENV, timeout=300)
+    assert child.returncode == 1 and "the training loop failed" in child.stderr
+    assert _steps_in_every_sink(tmp_path) == list(range(11))  # step 11 never reached step_end
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_mid_run_keeps_every_ended_step_and_still_ends_the_process(tmp_path, signum):
+    child = subprocess.Popen(_args(tmp_path, 0, "forever", **EARLY), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=ENV)
+    ended = 0
+    deadline = time.monotonic() + 120
+    while ended < 8:  # eight steps ended, the writer behind
+        assert child.poll() is None and time.monotonic() < deadline, "the child died or hangs"
+        ended = int(child.stdout.readline())
+    child.send_signal(signum)
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == -signum, err[-2000:]  # the signal is not swallowed
+    ended = max([ended, *(int(line) for line in out.split() if line.isdigit())])
+    steps = _steps_in_every_sink(tmp_path)
+    assert steps[:ended] == list(range(ended)) and len(steps) <= ended + 1
