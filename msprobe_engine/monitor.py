@@ -288,10 +288,10 @@ class Monitor(StepLifecycle):
             self.drain()
         sinks = self.pipeline.emitter.sinks
         for sink in sinks:
-            self.writer.submit(sink.close, f"{sink.name} sink close")
+            self.writer.submit(sink.close, f"{sink.name} sink close", wait=True)
         if sinks:
             state = self.state_dict()
-            self.writer.submit(lambda: self.run.save_state(state), "monitor state")
+            self.writer.submit(lambda: self.run.save_state(state), "monitor state", wait=True)
         with self.guard("close"):
             self.detach()
         self.writer.close()

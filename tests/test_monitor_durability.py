@@ -16,7 +16,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from health_models import build, train
+from msprobe_engine.monitor import Monitor
+from msprobe_engine.sinks.base import Sink, register_sink
 
 TESTS = Path(__file__).parent
 RUN = [sys.executable, str(TESTS / "monitor_exit_run.py")]
@@ -81,3 +86,23 @@ def test_a_signal_mid_run_keeps_every_ended_step_and_still_ends_the_process(tmp_
     ended = max([ended, *(int(line) for line in out.split() if line.isdigit())])
     steps = _steps_in_every_sink(tmp_path)
     assert steps[:ended] == list(range(ended)) and len(steps) <= ended + 1
+
+
+@register_sink("slow_in_test")
+class _SlowSink(Sink):
+    def write(self, record) -> None:
+        time.sleep(0.05)
+
+
+def test_close_writes_the_state_even_when_the_queue_drops_records(tmp_path):
+    """A full queue with `when_full: drop` drops records, never the jobs that close the files."""
+    model = build()
+    optimizer = torch.optim.Adam(model.parameters(), 1e-3)
+    monitor = Monitor({"output_dir": str(tmp_path), "run_name": "run", "sinks": ["slow_in_test", "jsonl"],
+                       "writer": {"queue_size": 2, "when_full": "drop"}, "incidents": {"enabled": False},
+                       "control": {"enabled": False}}).attach(model, optimizer)
+    train(model, monitor, 8, optimizer)
+    monitor.close()
+    monitor.close()  # a second close does nothing
+    assert monitor.writer.dropped > 0
+    assert json.loads((tmp_path / "run" / "rank0" / "monitor_state.json").read_text())["step"] == 8
