@@ -19,6 +19,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from exit_helpers import signal_mid_run
 from health_models import build, train
 from msprobe_engine.monitor import Monitor
 from msprobe_engine.sinks.base import Sink, register_sink
@@ -73,17 +74,7 @@ def test_an_exception_leaving_the_loop_keeps_every_ended_step(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_mid_run_keeps_every_ended_step_and_still_ends_the_process(tmp_path, signum):
-    child = subprocess.Popen(_args(tmp_path, 0, "forever", **EARLY), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=ENV)
-    ended = 0
-    deadline = time.monotonic() + 120
-    while ended < 8:  # eight steps ended, the writer behind
-        assert child.poll() is None and time.monotonic() < deadline, "the child died or hangs"
-        ended = int(child.stdout.readline())
-    child.send_signal(signum)
-    out, err = child.communicate(timeout=120)
-    assert child.returncode == -signum, err[-2000:]  # the signal is not swallowed
-    ended = max([ended, *(int(line) for line in out.split() if line.isdigit())])
+    ended, _ = signal_mid_run(_args(tmp_path, 0, "forever", **EARLY), ENV, signum, after=8)  # the writer behind
     steps = _steps_in_every_sink(tmp_path)
     assert steps[:ended] == list(range(ended)) and len(steps) <= ended + 1
 
