@@ -45,15 +45,26 @@ class HookErrors:
     def failed(self, where: str, exc: Exception) -> None:
         """A hook body at `where` raised `exc`: counted, logged once, `where` disabled; strict
         mode re-raises it. Call it from an ``except`` clause."""
-        if self.strict:
+        if not self.swallowed(where, exc):
             raise exc
+
+    def swallowed(self, where: str, exc: Exception, what: str | None = None, note: str | None = None) -> bool:
+        """`failed` for a caller that re-raises in its own frame: False in strict mode; otherwise
+        `exc` is counted under `where`, logged the first time, `where` disabled, and True. `what`
+        and `note` replace the logged line's head (``<label>: error in <where> (step N)``) and
+        tail (``; it is reported once and <then>``)."""
+        if self.strict:
+            return False
         count = self.counts.get(where, 0)
         self.counts[where] = count + 1
         self.disabled.add(where)
         if count == 0:
-            at = f" (step {self._step()})" if self._step is not None else ""
-            log.error("%s: error in %s%s: %s: %s; it is reported once and %s", self.label, where, at,
-                      type(exc).__name__, exc, self.then)
+            if what is None:
+                at = f" (step {self._step()})" if self._step is not None else ""
+                what = f"{self.label}: error in {where}{at}"
+            log.error("%s: %s: %s%s", what, type(exc).__name__, exc,
+                      f"; it is reported once and {self.then}" if note is None else note)
+        return True
 
     def warn(self, message: str) -> None:
         """Log `message` as a warning, the first time only."""

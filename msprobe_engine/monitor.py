@@ -21,9 +21,11 @@ for a `stop` rule; alerts that start leave incidents (`incident` package).
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from typing import Any, Callable
 
+from msprobe_engine import exit_guard
 from msprobe_engine.config import ConfigSource, MonitorConfig, load_config
 from msprobe_engine.incident.environment import snapshot, write_snapshot
 from msprobe_engine.contract import StepLifecycle
@@ -50,6 +52,8 @@ from msprobe_engine.steps.replay import ReplayDriver, replayable
 from msprobe_engine.steps.state import load_state, resume, save_state
 from msprobe_engine.steps.wiring import Wiring
 
+
+log = logging.getLogger("msprobe_engine")
 
 #: the dump format of incidents before any framework is seen (numbers measured on the host)
 DEFAULT_DUMP_FORMAT = "pytorch"
@@ -139,6 +143,8 @@ class Monitor(StepLifecycle):
         if self.pipeline.emitter.sinks:  # environment.json, for `config-check` (built and written on the writer thread)
             self.record_environment()
         resume(self.pipeline, self.run, start_step)
+        self._closed = False
+        exit_guard.guard(self, "_close_at_exit")  # a run that ends without close() keeps its records
 
     # ---- the parts' state, as attributes -------------------------------------------------
     step = _part("clock", "step", "The current optimizer step.")
@@ -260,13 +266,32 @@ class Monitor(StepLifecycle):
                 rule.enabled = rule.name not in control.rules_off
 
     def close(self) -> None:
-        self.drain()
+        """Emit the records held back, close the sinks, save the state, remove the hooks and wait
+        until everything is written. A second call does nothing; the process's end calls it for a
+        monitor not closed (`exit_guard`: a normal end, an exception, SIGTERM/SIGINT)."""
+        self._close(drain=True)
+
+    def _close_at_exit(self) -> None:
+        """`close` at the process's end. With a reducer (other ranks) the records still held back
+        are not emitted: that needs a collective, which a rank ending alone would wait for forever."""
+        alone = self.pipeline.reducer is None
+        if not self._closed and not alone and self.pipeline.holds_records():
+            log.warning("msprobe: the process ended without Monitor.close(): the records held back for "
+                        "a transfer with the other ranks are not written")
+        self._close(drain=alone)
+
+    def _close(self, drain: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if drain:
+            self.drain()
         sinks = self.pipeline.emitter.sinks
         for sink in sinks:
-            self.writer.submit(sink.close, f"{sink.name} sink close")
+            self.writer.submit(sink.close, f"{sink.name} sink close", wait=True)
         if sinks:
             state = self.state_dict()
-            self.writer.submit(lambda: self.run.save_state(state), "monitor state")
+            self.writer.submit(lambda: self.run.save_state(state), "monitor state", wait=True)
         with self.guard("close"):
             self.detach()
         self.writer.close()

@@ -9,12 +9,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from dump_helpers import train_tiny_gpt
+from exit_helpers import signal_mid_run
 from msprobe_engine.dump import PrecisionDebugger, iter_dump_tensors, load_dump
 
 TESTS = Path(__file__).parent
@@ -70,17 +70,7 @@ def test_an_exception_leaving_the_loop_keeps_the_steps_and_the_open_one(tmp_path
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_mid_run_keeps_every_closed_step_and_still_ends_the_process(tmp_path, signum):
     dump = tmp_path / "dump"
-    child = subprocess.Popen(_args(dump, "tensor", 0, "forever", width=128), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=ENV)
-    closed = 0
-    deadline = time.monotonic() + 120
-    while closed < 3:  # three steps closed, more in flight
-        assert child.poll() is None and time.monotonic() < deadline, "the child died or hangs"
-        closed = int(child.stdout.readline())
-    child.send_signal(signum)
-    out, err = child.communicate(timeout=120)
-    assert child.returncode == -signum, err[-2000:]  # the signal is not swallowed
-    closed = max([closed, *(int(line) for line in out.split() if line.isdigit())])
+    closed, _ = signal_mid_run(_args(dump, "tensor", 0, "forever", width=128), ENV, signum, after=3)
     steps = _complete_steps(dump)
     assert steps[:closed] == list(range(closed)) and len(steps) <= closed + 1
 

@@ -72,6 +72,30 @@ def test_the_hook_error_policy_counts_logs_once_and_disables(caplog):
         raise RuntimeError("boom")
 
 
+def test_a_dump_recorder_uses_the_same_policy_with_its_own_message(caplog, tmp_path):
+    """`DumpRecorder.skipped` is `HookErrors.swallowed`: counted per key, logged once with the
+    caller's head and note; strict mode answers False (the caller re-raises)."""
+    from msprobe_engine.dump.config import load_dump_config
+    from msprobe_engine.dump.recorder import DumpRecorder, RecorderContext
+
+    def recorder(strict: bool) -> DumpRecorder:
+        config = load_dump_config({"dump_path": str(tmp_path), "strict": strict})
+        return DumpRecorder(RecorderContext(config, 0, None, lambda tensors: None))
+
+    lenient = recorder(False)
+    with caplog.at_level(logging.ERROR, logger="msprobe_engine"):
+        assert all(lenient.skipped("API", RuntimeError("boom"), "msprobe dump: error in API Tensor.add")
+                   for _ in range(3))
+        assert lenient.skipped("grad_probe", ValueError("bad"), "msprobe grad_probe: step 2 not probed",
+                               " (reported once)")
+    assert lenient.hook_errors == {"API": 3, "grad_probe": 1}
+    assert [r.getMessage() for r in caplog.records] == [
+        "msprobe dump: error in API Tensor.add: RuntimeError: boom; it is reported once and skipped",
+        "msprobe grad_probe: step 2 not probed: ValueError: bad (reported once)"]
+    strict = recorder(True)
+    assert not strict.skipped("API", RuntimeError("boom"), "x") and strict.hook_errors == {}
+
+
 class Closer:
     def __init__(self) -> None:
         self.calls: list[str] = []

@@ -5,7 +5,8 @@ MindSpore's `CellRecorder`, the grad_probe and free_benchmark handlers, a user's
 session builds it from a `RecorderContext`, switches `active` at start/stop, hands it the model
 (`watch`, for the recorders that hook it themselves), closes each step with `finish_step`, shows
 `results` as `task_results` and calls `remove` at close. `skipped` is the error policy every hook
-body uses: strict mode re-raises, otherwise the error is counted in `hook_errors` and logged once.
+body uses, the engine's one (`hook_errors.HookErrors`): strict mode re-raises, otherwise the error
+is counted in `hook_errors` and logged once.
 
 Recorders are registered by (framework, task), as a class or as ``"module:Class"`` (imported on
 first use, so registering never imports a framework)::
@@ -15,15 +16,13 @@ first use, so registering never imports a framework)::
 from __future__ import annotations
 
 import importlib
-import logging
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 from msprobe_engine.errors import ConfigError
 from msprobe_engine.dump.config import DumpConfig
 from msprobe_engine.dump.writer import StepData
-
-log = logging.getLogger("msprobe_engine")
+from msprobe_engine.hook_errors import HookErrors
 
 
 @dataclass
@@ -55,7 +54,9 @@ class DumpRecorder:
     def __init__(self, ctx: RecorderContext) -> None:
         self.config = ctx.config
         self.options = ctx.config.options
-        self.hook_errors: dict[str, int] = {}
+        self.errors = HookErrors(ctx.config.strict, label="msprobe dump", then="skipped")
+        #: errors in hook bodies so far, by key
+        self.hook_errors: dict[str, int] = self.errors.counts
 
     @property
     def results(self) -> list:
@@ -72,16 +73,11 @@ class DumpRecorder:
     def remove(self) -> None:
         """Take the recorder's own hooks off."""
 
-    def skipped(self, key: str, exc: Exception, what: str, note: str = "; it is reported once and skipped") -> bool:
+    def skipped(self, key: str, exc: Exception, what: str, note: str | None = None) -> bool:
         """A hook body failed with `exc`: False in strict mode (the caller re-raises); otherwise it is
-        counted under `key` and logged the first time (``<what>: <error><note>``), and True."""
-        if self.config.strict:
-            return False
-        count = self.hook_errors.get(key, 0)
-        self.hook_errors[key] = count + 1
-        if not count:
-            log.error("%s: %s: %s%s", what, type(exc).__name__, exc, note)
-        return True
+        counted under `key` and logged the first time (``<what>: <error><note>``, the note by default
+        ``; it is reported once and skipped``), and True."""
+        return self.errors.swallowed(key, exc, what, note)
 
 
 #: (framework, task) -> recorder class, or "module:Class" imported on first use

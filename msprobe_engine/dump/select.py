@@ -66,6 +66,8 @@ class Selection:
         self.full_names = frozenset(n for n in config.api_list if parse_entry_name(n) is not None)
         self.parts = tuple(n for n in config.api_list if n not in self.full_names)
         self.scope = ScopeRange(*config.scope) if config.scope else None
+        #: the decision for every call when no list is given (one object: `Want` is frozen)
+        self._every = Want(self.forward, self.backward)
 
     def new_step(self) -> None:
         if self.scope:
@@ -78,7 +80,7 @@ class Selection:
         if outer is not None:
             return outer
         if not (self.full_names or self.parts):
-            return Want(self.forward, self.backward)
+            return self._every
         by_part = any(part in key for part in self.parts)
         fwd = by_part or forward_name in self.full_names
         bwd = by_part or backward_name in self.full_names

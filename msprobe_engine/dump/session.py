@@ -15,7 +15,7 @@ per step. Steps and ranks outside the config's lists cost a flag check. Statisti
 the device until `step()`, which makes one host transfer; files are written by the engine's
 background writer thread (`sinks.BackgroundWriter`) and committed atomically per step.
 Without ``close()`` the session is closed when the process ends (normally, by an exception,
-or by SIGTERM/SIGINT: `dump.exit_guard`), so every step that `step()` closed is on disk.
+or by SIGTERM/SIGINT: `exit_guard`), so every step that `step()` closed is on disk.
 A step whose files could not all be written whole is dropped: counted in `dropped_steps`
 (why: `drop_reasons`), reported once, its ``.partial`` directory removed.
 A framework's session (its `PrecisionDebugger`) adds the hooks and the capture.
@@ -29,7 +29,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Iterator
 
-from msprobe_engine.dump import exit_guard
+from msprobe_engine import exit_guard
 from msprobe_engine.errors import ConfigError
 from msprobe_engine.dump.config import DumpConfig, DumpConfigSource, load_dump_config
 from msprobe_engine.dump.schema import parse_entry_name
@@ -103,7 +103,7 @@ class DumpSession:
 
     def close(self) -> None:
         """Write a step still open, wait for the writer and remove every hook. A second call
-        does nothing; the process's end calls it for a session not closed (`dump.exit_guard`)."""
+        does nothing; the process's end calls it for a session not closed (`exit_guard`)."""
         if self._closed:
             return
         self.stop()

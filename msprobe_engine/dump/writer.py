@@ -34,12 +34,33 @@ from msprobe_engine.dump.task import DUMP_TASKS
 Frames = Sequence[tuple[str, int, str]]
 
 
+class StackNode:
+    """A call stack as a chain shared between the calls made from the same frames: `frame`
+    (``(file, line, function)``) and the `caller` chain (None: the outermost frame). Built on
+    the training thread in O(the frames that changed); `as_frames` lists it on the writer thread."""
+    __slots__ = ("frame", "caller")
+
+    def __init__(self, frame: tuple[str, int, str], caller: "StackNode | None") -> None:
+        self.frame, self.caller = frame, caller
+
+
+def as_frames(stack: "Frames | StackNode | None") -> tuple[tuple[str, int, str], ...]:
+    """The frames of `stack`, innermost first (a `StackNode` chain or a list of frames)."""
+    if not isinstance(stack, StackNode) and stack is not None:
+        return tuple(stack)
+    frames = []
+    while stack is not None:
+        frames.append(stack.frame)
+        stack = stack.caller
+    return tuple(frames)
+
+
 @dataclass
 class StepData:
     """Everything one step leaves for the writer thread (any framework's recorder)."""
     entries: dict[str, Any]
     construct: dict[str, str | None]
-    stacks: dict[str, list[tuple[str, int, str]]] | None
+    stacks: dict[str, Frames | StackNode] | None
     host_rows: np.ndarray
     #: False: a step without entries writes no files (overflow_check, diff_check, free_benchmark)
     write_empty: bool = True
@@ -68,14 +89,19 @@ def format_stack(frames: Frames) -> list[str]:
             for file, line, func in frames]
 
 
-def stack_document(stacks: dict[str, Frames], legacy: bool = False) -> dict[str, Any]:
+def stack_document(stacks: dict[str, Frames | StackNode], legacy: bool = False) -> dict[str, Any]:
     """stack.json: ``{"0": [[names...], [frames...]], ...}``, the entries of one call stack grouped
     (mindstudio-probe 26.2), or ``{name: [frames...]}`` (`legacy`, its 1.x form)."""
+    listed: dict[int, tuple] = {}  # a chain shared by many entries is listed once
+    for stack in stacks.values():
+        if id(stack) not in listed:
+            listed[id(stack)] = as_frames(stack)
+    stacks = {name: listed[id(stack)] for name, stack in stacks.items()}
     if legacy:
         return {name: format_stack(frames) for name, frames in stacks.items()}
     groups: dict[tuple, list[str]] = {}
     for name, frames in stacks.items():
-        groups.setdefault(tuple(frames), []).append(name)
+        groups.setdefault(frames, []).append(name)
     return {str(i): [names, format_stack(frames)] for i, (frames, names) in enumerate(groups.items())}
 
 

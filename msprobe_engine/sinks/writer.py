@@ -43,10 +43,11 @@ class BackgroundWriter:
         self._thread = threading.Thread(target=self._run, name="msprobe-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, job: Callable[[], None], kind: str = "job") -> bool:
-        """Queue `job`; return False if it was dropped because the queue is full."""
+    def submit(self, job: Callable[[], None], kind: str = "job", wait: bool | None = None) -> bool:
+        """Queue `job`; return False if it was dropped because the queue is full (`wait`: wait
+        for room whatever the policy, e.g. for the jobs that close the files)."""
         try:
-            self._queue.put((job, kind), block=self._wait)
+            self._queue.put((job, kind), block=self._wait if wait is None else wait)
             return True
         except queue.Full:
             self.dropped += 1

@@ -15,7 +15,7 @@ arguments (in-place), which the dump needs to measure inputs before they change.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import CodeType
 from typing import Any, Callable, Iterable
 
@@ -109,10 +109,10 @@ class ApiInfo:
     inplace_arg: int | None = None  # position of an ``inplace`` parameter (F.relu(x, inplace))
     defaults: dict[str, Any] | None = None  # parameter defaults of a Python function
     code: CodeType | None = None  # the code of a Python function (its arguments are re-read, `as_called`)
+    key: str = field(init=False)  # <prefix>.<name>, as in the dump's entry names (read on every call)
 
-    @property
-    def key(self) -> str:
-        return f"{self.prefix}.{self.name}"
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", f"{self.prefix}.{self.name}")
 
     def user_kwargs(self, kwargs: dict) -> dict:
         """`kwargs` without the parameters a Python API re-passes at their default value

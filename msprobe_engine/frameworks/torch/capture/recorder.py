@@ -15,8 +15,6 @@ step and count every call made while collecting, dumped or not, so names are sta
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import threading
 from functools import partial
 from typing import Any, Callable
@@ -32,6 +30,7 @@ from msprobe_engine.collect.flatten import iter_tensors
 from msprobe_engine.frameworks.torch.capture.api import (ApiCatalog, ApiInfo, risk_allows, writes_unknown,
                                                          written_tensors)
 from msprobe_engine.frameworks.torch.capture.call_shape import as_called
+from msprobe_engine.frameworks.torch.capture.call_stack import CallStacks
 from msprobe_engine.frameworks.torch.capture.backward import (GradCall, Rewrites, after_call, before_call,
                                                               in_backward, sequence_nr)
 from msprobe_engine.frameworks.torch.capture.checksum import checksum_text, fold, xor_words
@@ -39,11 +38,10 @@ from msprobe_engine.dump.entry import UNHANDLED, TensorSlot, describe
 from msprobe_engine.dump.recorder import DumpRecorder, RecorderContext
 from msprobe_engine.dump.select import Selection, Want
 from msprobe_engine.frameworks.torch.capture.stat_buffer import StatBuffer
-from msprobe_engine.dump.writer import StepData, array_crc32
+from msprobe_engine.dump.writer import StackNode, StepData, array_crc32
 
 log = logging.getLogger("msprobe_engine")
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: tensor copies (tensor task, md5) are handed to the writer in batches of about this size
 TENSOR_BATCH_BYTES = 16 << 20
 TENSOR_BATCH_COUNT = 64
@@ -61,7 +59,7 @@ class _Call:
         self.want, self.keep, self.parent = want, keep, parent
         self.inputs: tuple[Any, Any] | None = None
         self.edges = None
-        self.frames: list[tuple[str, int, str]] | None = None
+        self.frames: StackNode | None = None
 
 
 def _is_tensor(value: Any) -> bool:
@@ -109,24 +107,23 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
+#: the quantized dtypes (their tensors get no statistics)
+_QUANTIZED = frozenset(getattr(torch, name) for name in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
+                       if hasattr(torch, name))
+#: dtype -> the kind of its strided, non-empty tensors on a real device (read on every recorded tensor)
+_DTYPE_KINDS: dict[torch.dtype, str] = {}
+
+
 def tensor_kind(tensor: torch.Tensor) -> str:
-    """Which statistics `tensor` gets: 'float', 'int', 'bool', or 'none' (empty, sparse, meta, quantized)."""
-    if tensor.numel() == 0 or tensor.layout != torch.strided or tensor.is_meta or tensor.is_quantized:
+    """Which statistics `tensor` gets: 'float', 'int', 'bool', or 'none' (empty, not strided, meta, quantized)."""
+    dtype = tensor.dtype
+    kind = _DTYPE_KINDS.get(dtype)
+    if kind is None:
+        kind = _DTYPE_KINDS[dtype] = ("none" if dtype in _QUANTIZED else "bool" if dtype == torch.bool
+                                      else "float" if dtype.is_floating_point or dtype.is_complex else "int")
+    if kind != "none" and (tensor.layout != torch.strided or tensor.is_meta or tensor.numel() == 0):
         return "none"
-    if tensor.dtype == torch.bool:
-        return "bool"
-    return "float" if tensor.is_floating_point() or tensor.is_complex() else "int"
-
-
-def _frames() -> list[tuple[str, int, str]]:
-    """The caller's stack, innermost first, without this package's frames."""
-    frames, frame = [], sys._getframe(1)
-    while frame is not None:
-        file = frame.f_code.co_filename
-        if not file.startswith(_PACKAGE_DIR):
-            frames.append((file, frame.f_lineno, frame.f_code.co_name))
-        frame = frame.f_back
-    return frames
+    return kind
 
 
 class _Guard:
@@ -165,13 +162,16 @@ class Recorder(DumpRecorder):
         self.active = False
         self._lock = threading.RLock()
         self._step_id = 0
+        self._stacks = CallStacks()
+        self._recorded: dict[int, tuple[ApiInfo, bool]] = {}  # id(info) -> (info, recorded): `_records`
         self._reset()
 
     # ---- per step ----------------------------------------------------------------------
     def _reset(self) -> None:
         self.entries: dict[str, Any] = {}
         self.construct: dict[str, str | None] = {}
-        self.stacks: dict[str, list] | None = {} if self.config.stack else None
+        self.stacks: dict[str, StackNode] | None = {} if self.config.stack else None
+        self._stacks.clear()
         self._counters: dict[str, int] = {}
         self._modules: list[_Call] = []
         self._ran: dict[str, Want | None] = {}  # modules run this step -> the expanded module around
@@ -251,7 +251,7 @@ class Recorder(DumpRecorder):
         kind = tensor_kind(tensor)
         row = -1
         if kind != "none":
-            row = self.stats.row(tensor.abs() if tensor.is_complex() else tensor)
+            row = self.stats.row(tensor.abs() if tensor.dtype.is_complex else tensor)
         copied = self.copies and not tensor.is_meta
         slot = TensorSlot(dtype_name(tensor.dtype), list(tensor.shape), tensor.requires_grad, kind, row,
                           f"{name}.pt" if copied and self.save_tensors else None)
@@ -274,7 +274,7 @@ class Recorder(DumpRecorder):
             items, self._items, self._item_bytes = self._items, [], 0
             self.emit_tensors(items)
 
-    def _add_entry(self, name: str, entry: dict, parent: str | None, frames: list | None) -> None:
+    def _add_entry(self, name: str, entry: dict, parent: str | None, frames: StackNode | None) -> None:
         self.entries[name] = entry
         if self.sel.modules:
             self.construct[name] = parent
@@ -298,7 +298,7 @@ class Recorder(DumpRecorder):
         parent = self._modules[-1].forward if self._modules else None
         call = _Call(module, key, forward, backward, want, want.forward and in_scope, parent)
         if call.keep and self.config.stack:
-            call.frames = _frames()
+            call.frames = self._stacks.stack()
         return call
 
     # ---- modules (L0, mix) -------------------------------------------------------------
@@ -396,9 +396,14 @@ class Recorder(DumpRecorder):
 
     def _records(self, info: ApiInfo) -> bool:
         """Whether calls of this API are recorded (with no ``list`` or ``scope``: by ``risk_level``,
-        as the predecessor decides)."""
+        as the predecessor decides); answered once per API."""
+        known = self._recorded.get(id(info))
+        if known is not None and known[0] is info:
+            return known[1]
         selected = bool(self.config.api_list) or self.config.scope is not None
-        return info.dump and (selected or risk_allows(self.config.risk_level, info))
+        recorded = info.dump and (selected or risk_allows(self.config.risk_level, info))
+        self._recorded[id(info)] = (info, recorded)
+        return recorded
 
     def _call_done(self, call: _Call, output: Any, params: dict[str, Any] | None = None) -> None:
         """Close a module or API call: its forward entry, then its backward watch."""

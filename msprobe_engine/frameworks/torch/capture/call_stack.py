@@ -1,0 +1,62 @@
+"""The call stack of each recorded call (stack.json), walked only as far as it changed.
+
+Consecutive recorded calls mostly come from the same frames (the optimizer's loop over its
+parameters, a module's forward): a frame still running at the same line as at the last walk
+has the same callers, as they all wait for it. So the walk stops at the first such frame and
+the new `StackNode`s hang under its chain. That holds for plain functions only: a generator or
+coroutine frame may have been resumed from elsewhere since, so it never ends a walk.
+
+The frames of the last walk are held (strong references, to recognise them) until the next
+walk or `clear`; every other frame is released as usual.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+from typing import Any
+
+from msprobe_engine.dump.writer import StackNode
+
+#: frames of this directory (msprobe_engine/frameworks/torch) are left out of the stacks
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: code flags of frames that can be suspended and resumed by another caller
+_RESUMABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
+
+
+class CallStacks:
+    """`stack()`: the caller's stack, innermost first, without this package's frames."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        """Release the frames of the last walk (at the step's end)."""
+        #: id(frame) -> (frame, its line then, the chain from it up, its depth from the outermost)
+        self._known: dict[int, tuple[Any, int, StackNode | None, int]] = {}
+        #: ids of the last walk's frames, outermost first
+        self._chain: list[int] = []
+
+    def stack(self) -> StackNode | None:
+        known, chain = self._known, self._chain
+        walked = []
+        node, depth = None, 0
+        frame = sys._getframe(1)
+        while frame is not None:
+            line = frame.f_lineno
+            seen = known.get(id(frame))
+            if seen is not None and seen[0] is frame and seen[1] == line and not frame.f_code.co_flags & _RESUMABLE:
+                node, depth = seen[2], seen[3] + 1
+                break
+            walked.append((frame, line))
+            frame = frame.f_back
+        for stale in chain[depth:]:
+            del known[stale]
+        del chain[depth:]
+        for frame, line in reversed(walked):
+            code = frame.f_code
+            if not code.co_filename.startswith(PACKAGE_DIR):
+                node = StackNode((code.co_filename, line, code.co_name), node)
+            known[id(frame)] = (frame, line, node, len(chain))
+            chain.append(id(frame))
+        return node
