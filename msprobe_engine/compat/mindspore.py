@@ -22,7 +22,7 @@ from functools import partial
 from typing import Any
 
 from msprobe_engine.compat.debugger import CompatDebugger
-from msprobe_engine.compat.seed_check import check_seed_arguments
+from msprobe_engine.frameworks.seed_check import check_seed_arguments
 from msprobe_engine.errors import ConfigError
 
 __all__ = ["PrecisionDebugger", "seed_all"]

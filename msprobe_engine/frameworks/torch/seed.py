@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from msprobe_engine.compat.seed_check import check_seed_arguments
+from msprobe_engine.frameworks.seed_check import check_seed_arguments
 #: the dropout functions that `rm_dropout` sets to p = 0
 DROPOUTS = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout")
 
