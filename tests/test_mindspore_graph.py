@@ -113,21 +113,15 @@ def train(how: str, tmp_path=None, poison_step: int = -1, sqrt: bool = False, **
             return _model_train(net, opt, how == "model-sink", tmp_path, poison_step, extra)
         monitor = MindSporeMonitor(net, opt, config(tmp_path, **extra)) if tmp_path is not None else None
         losses = []
-        if how == "pynative":
+        if how in ("pynative", "jit"):
             grad_fn = grad_fn_of(net, opt)
 
             def step(x, y):
                 loss, grads = grad_fn(x, y)
                 opt(grads)
                 return loss, grads
-        elif how == "jit":
-            grad_fn = grad_fn_of(net, opt)
-
-            @ms.jit
-            def step(x, y):
-                loss, grads = grad_fn(x, y)
-                opt(grads)
-                return loss, grads
+            if how == "jit":
+                step = ms.jit(step)
         else:
             step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), opt, return_grad=True)
         for i, (x, y) in enumerate(batches()):
@@ -347,7 +341,7 @@ class LMLoss(nn.Cell):
 
 def train_gpt2(how: str, tmp_path=None):
     from transformers import GPT2Config
-    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16)
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0)
     ms.set_context(mode=ms.PYNATIVE_MODE if how == "pynative" else ms.GRAPH_MODE)
     try:
         ms.set_seed(0)
