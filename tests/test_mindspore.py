@@ -387,7 +387,7 @@ def test_graph_mode_says_what_it_measures_and_monitors_activations_loss_gradient
         history = list(callback.monitor.monitor.history)
         assert [r.step for r in history] == [0, 1]
         metrics = history[-1].metrics
-        assert metrics["actv/fc1/output/numel"] == 40 and "actv_grad/fc2/output/norm" in metrics  # in-graph taps
+        assert metrics["actv/fc1/output/norm"] > 0 and metrics["actv_grad/fc2/output/norm"] > 0  # in-graph taps
         for tag in ("train/loss", "grad/global/norm", "grad/fc1.weight/norm", "optim/fc2.weight/exp_avg/norm",
                     "optim/fc2.weight/exp_avg_sq/norm", "param/fc1.bias/norm", "optim/fc1.weight/ratio"):
             assert np.isfinite(metrics[tag]) and metrics[tag] > 0, tag
@@ -421,7 +421,7 @@ def test_a_compiled_train_step_in_pynative_measures_activations_in_the_graph(tmp
         record = monitor.step_end(loss, grads)
     monitor.close()
     assert "no statistics came from the compiled graph" not in caplog.text
-    assert record.metrics["actv/fc1/output/numel"] == 40 and "actv_grad/fc2/output/norm" in record.metrics
+    assert record.metrics["actv/fc1/output/norm"] > 0 and record.metrics["actv_grad/fc2/output/norm"] > 0
     assert "grad/fc1.weight/norm" in record.metrics and "optim/fc1.weight/exp_avg/norm" in record.metrics
     np.testing.assert_allclose(record.metrics["grad/fc1.weight/norm"],
                                np.linalg.norm(grads[0].asnumpy().astype(np.float64)), rtol=1e-5)
