@@ -34,7 +34,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from msprobe_engine.frameworks.mindspore.graph_rows import buffer_rows, tensor_row, write
+from msprobe_engine.frameworks.mindspore.graph_rows import buffer_rows, tensor_row, write, written
 from msprobe_engine.stats import columns
 from msprobe_engine.stats.table import MetricKey
 
@@ -191,13 +191,13 @@ class GraphCapture:
         """Which slots the graph writes (one host read, once), in the order PyNative reports them:
         the Cells' forward rows in the order the graph wrote them (outputs, then inputs), then
         the gradient rows, the Cells in reverse order (a custom bprop's writes carry no order)."""
-        order = self.buffer.asnumpy()[:-1, -1]
-        written = np.flatnonzero(order > 0)
-        if not written.size:
+        order = written(self.buffer.asnumpy())
+        slots = np.flatnonzero(np.isfinite(order))
+        if not slots.size:
             self.monitor.warn(STALE_GRAPH)
             return False
         first: dict[str, float] = {}  # a Cell's first forward write
-        for i in written:
+        for i in slots:
             kind, path, _ = self.slots[i]
             if kind == "actv":
                 first[path] = min(first.get(path, np.inf), order[i])
@@ -208,9 +208,9 @@ class GraphCapture:
             at = rank.get(path, len(rank))
             return (1, -at, i) if kind == "actv_grad" else (0, at, i)
 
-        written = sorted(written.tolist(), key=place)
-        self._keys = [MetricKey(*self.slots[i]) for i in written]
-        self._index = Tensor(np.array(written, np.int32))
+        ordered = sorted(slots.tolist(), key=place)
+        self._keys = [MetricKey(*self.slots[i]) for i in ordered]
+        self._index = Tensor(np.array(ordered, np.int32))
         return True
 
     def remove(self) -> None:
