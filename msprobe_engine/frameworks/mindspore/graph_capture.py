@@ -28,7 +28,7 @@ compiled: a net compiled before the monitor was attached keeps its graph (a warn
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import mindspore as ms
 import numpy as np
