@@ -8,6 +8,15 @@ The LAST printed line is one JSON object mapping each config to its ratio over n
 monitor. Goal: everything <= 1.3.
 
     OMP_NUM_THREADS=1 python bench/mindspore_overhead.py [--steps 60] [--warmup 10]
+
+`--graph`: the same network trained in GRAPH_MODE by a `TrainOneStepCell(..., return_grad=True)`
+(the statistics of the Cells measured inside the compiled graph), one process per configuration
+(`configs/full.yaml` with its sinks, a grads+optimizer config, no monitor), in `--rounds` rounds
+of every configuration in a rotating order; the ratio of each round's median step time over the
+round's run without the monitor, and the median of those ratios on the LAST line. Goals:
+full.yaml <= 1.5, grads+optimizer <= 1.1.
+
+    OMP_NUM_THREADS=1 python bench/mindspore_overhead.py --graph [--rounds 3] [--steps 60] [--warmup 10]
 """
 from __future__ import annotations
 
@@ -15,6 +24,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +48,10 @@ CONFIGS = {
                    "params": True, "optimizer_state": ["exp_avg", "exp_avg_sq", "update", "ratio"]},
 }
 WIDTH, BATCH = 128, 32
+ROOT = Path(__file__).resolve().parents[1]
+#: the GRAPH_MODE configurations (`--graph`), each run in its own process
+GRAPH_CONFIGS = {"no monitor": None, "grads+optimizer": str(ROOT / "configs" / "grads_optimizer.yaml"),
+                 "full.yaml": str(ROOT / "configs" / "full.yaml")}
 
 
 def make_net() -> nn.Cell:
@@ -46,11 +60,69 @@ def make_net() -> nn.Cell:
                              nn.Dense(WIDTH, WIDTH), nn.ReLU(), nn.Dense(WIDTH, 10))
 
 
+def graph_worker(name: str, steps: int, warmup: int) -> list[float]:
+    """Step times of configuration `name` of GRAPH_CONFIGS, trained in GRAPH_MODE in this process."""
+    ms.set_device("CPU")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    rng = np.random.default_rng(0)
+    batches = [(Tensor(rng.standard_normal((BATCH, 64)).astype(np.float32)),
+                Tensor(rng.standard_normal((BATCH, 10)).astype(np.float32))) for _ in range(8)]
+    net = make_net()
+    opt = nn.Adam(net.trainable_params(), 1e-3)
+    monitor = None
+    if GRAPH_CONFIGS[name] is not None:
+        from msprobe_engine.config.loader import read_file
+        config = {**read_file(Path(GRAPH_CONFIGS[name])), "output_dir": tempfile.mkdtemp(prefix="msprobe-ms-graph-")}
+        monitor = MindSporeMonitor(net, opt, config)
+    train_net = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), opt, return_grad=True)
+    times = []
+    for i in range(steps + warmup):
+        x, y = batches[i % len(batches)]
+        start = time.perf_counter()
+        loss, grads = train_net(x, y)
+        if monitor is not None:
+            monitor.step_end(loss, grads)
+        loss.asnumpy()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    if monitor is not None:
+        monitor.close()
+    return times
+
+
+def graph_rounds(rounds: int, steps: int, warmup: int) -> None:
+    """`--graph`: one process per configuration and round, rounds interleaved (see the docstring)."""
+    names = list(GRAPH_CONFIGS)
+    ratios: dict[str, list[float]] = {name: [] for name in names[1:]}
+    for r in range(rounds):
+        medians = {}
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            out = subprocess.run([sys.executable, __file__, "--graph-worker", name, "--steps", str(steps),
+                                  "--warmup", str(warmup)], capture_output=True, text=True, check=True)
+            medians[name] = statistics.median(json.loads(out.stdout.strip().splitlines()[-1]))
+        print(f"round {r}: " + ", ".join(f"{n} {m * 1e3:.2f} ms" for n, m in medians.items()))
+        for name in ratios:
+            ratios[name].append(medians[name] / medians["no monitor"])
+    result = {name: round(statistics.median(values), 3) for name, values in ratios.items()}
+    print(f"GRAPH_MODE, {steps} steps after {warmup}, {rounds} rounds, median of the rounds' ratios:")
+    print(json.dumps(result))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--graph", action="store_true", help="GRAPH_MODE, one process per configuration")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--graph-worker", choices=list(GRAPH_CONFIGS), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.graph_worker:
+        print(json.dumps(graph_worker(args.graph_worker, args.steps, args.warmup)))
+        return
+    if args.graph:
+        graph_rounds(args.rounds, args.steps, args.warmup)
+        return
     ms.set_device("CPU")
     ms.set_context(mode=ms.PYNATIVE_MODE)
     out = Path(tempfile.mkdtemp(prefix="msprobe-ms-bench-"))

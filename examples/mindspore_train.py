@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python -m examples.mindspore_train            # Model.train + MonitorCallback
     OMP_NUM_THREADS=1 python -m examples.mindspore_train --loop     # a value_and_grad loop (two lines)
-    OMP_NUM_THREADS=1 python -m examples.mindspore_train --graph    # GRAPH_MODE: no activations
+    OMP_NUM_THREADS=1 python -m examples.mindspore_train --graph    # GRAPH_MODE: statistics from inside the graph
     OMP_NUM_THREADS=1 python -m examples.mindspore_train --inject-step -1   # no fault
 
 At `--inject-step` the Cell `fault` starts multiplying its input by nan; the

@@ -17,10 +17,13 @@ A `mindspore.value_and_grad` loop, two lines::
 Statistics are computed with MindSpore ops (`msprobe_engine.frameworks.mindspore.backend`);
 torch is never imported. In PyNative mode Cell hooks see activations and the
 optimizer Cell's hooks see the gradients. In GRAPH_MODE (and inside
-`mindspore.jit`) hooks do not run: activations are not monitored; the loss,
-parameters and optimizer state are read at step end, and gradients when they
-are handed over: `step_end(loss, grads)`, or, under `Model.train`, a train
-network that returns them, `Model(nn.TrainOneStepCell(net_with_loss, optimizer, return_grad=True))`.
+`mindspore.jit`) hooks do not run: activations are measured by taps compiled into
+the graph (`frameworks.mindspore.graph_capture`); the loss, parameters and
+optimizer state are read at step end, and gradients when they are handed over:
+`step_end(loss, grads)`, or, under `Model.train`, a train network that returns
+them, `Model(nn.TrainOneStepCell(net_with_loss, optimizer, return_grad=True))`.
+There a rule's `skip` cannot act from the host; `FiniteGate(optimizer)` skips a
+step with non-finite gradients inside the graph.
 
 A rule's `skip` (PyNative) undoes that step's optimizer call: every Parameter of the optimizer
 Cell is restored bitwise (`cell_hooks.OptimizerState`); `stop` raises `TrainingStopped` out of
@@ -39,11 +42,15 @@ from mindspore.train import Callback, RunContext
 from msprobe_engine.frameworks.mindspore import backend as mindspore_backend
 from msprobe_engine.frameworks.mindspore.cell_hooks import is_tensor
 from msprobe_engine.frameworks.mindspore.distributed import DataParallelMerge, data_parallel_world
+from msprobe_engine.frameworks.mindspore.finite_gate import FiniteGate
 from msprobe_engine.frameworks.mindspore.wiring import CellWiring
 from msprobe_engine.config import ConfigSource, load_config
 from msprobe_engine.contract import Integration
 from msprobe_engine.monitor import Monitor
 from msprobe_engine.records import StepRecord
+
+__all__ = ["FiniteGate", "MindSporeMonitor", "MonitorCallback", "split_outputs"]
+
 
 class MindSporeMonitor(Integration):
     """Monitor a MindSpore Cell and its optimizer; call `step_end(loss, grads)` once per step.

@@ -152,7 +152,7 @@ def _rows(tensors, layout, differences, empty, gather, count_zeros):
         start += members
         matrix = ops.cat(flats) if members > 1 else flats[0]
         low, high = ops.aminmax(matrix, axis=1)
-        stats = (low, high, *_sums(matrix, members, numel))
+        stats = (low, high, *sums(matrix, members, numel))
         if is_wide:
             wide.append(stats)
         else:
@@ -182,8 +182,9 @@ def _rows(tensors, layout, differences, empty, gather, count_zeros):
     return ops.gather(rows, Tensor(gather, ms.int32), 0)
 
 
-def _sums(matrix, members, numel):
-    """Row sums and sums of squares of `matrix`, chunked when its rows are long."""
+def sums(matrix, members, numel):
+    """Row sums and sums of squares of `matrix` (`members` rows of `numel`), chunked when its rows
+    are long; also compiled into the graph taps (`graph_rows`)."""
     if numel <= SUM_CHUNK:
         return matrix.sum(1), (matrix * matrix).sum(1)
     pad = -numel % SUM_CHUNK

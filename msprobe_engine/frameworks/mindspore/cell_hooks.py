@@ -4,10 +4,11 @@ In PyNative mode, forward hooks on the selected Cells see activations, tensor
 hooks on their outputs see the gradients w.r.t. those outputs, and forward
 pre/post hooks on the optimizer Cell (which is called with the gradients) mark
 the optimizer step. In GRAPH_MODE no Python hook runs, so none is registered:
+activations are measured by taps compiled into the graph (`graph_capture`),
 gradients are handed over explicitly and the state after the step is read when
 the step ends. Inside `mindspore.jit` (in PyNative mode) MindSpore compiles the
 hooks of the Cells it compiles: every hook here is wrapped by `jit_safe`, so it
-compiles to nothing there.
+compiles to nothing there (the graph taps measure instead).
 
 Every PyNative op is a trip through MindSpore's dispatch pipeline, so tensors
 are not measured one hook at a time: a `TensorBatch` collects them and measures
@@ -88,10 +89,27 @@ class TensorBatch:
         self.keys, self.tensors = [], []
 
 
-class CellHooks(Handles):
-    """Forward hooks on the selected Cells of `net`, and gradient hooks on their outputs."""
+def watched_cells(monitor: "Monitor", net: nn.Cell) -> list[tuple[str, nn.Cell]]:
+    """The (path, Cell) pairs of `net` whose activations the config watches (none when no
+    activation is wanted; never the root, whose output is the loss or the logits). Records every
+    Cell's class for incidents and warns about selected names that do not exist."""
+    names = dict(net.cells_and_names())
+    if monitor.graph is not None:  # cell classes, for incidents (parameter gradients need them too)
+        monitor.graph.classes.update((path, type(cell).__name__) for path, cell in names.items())
+    watch = monitor.config.watch
+    if not (watch.module_inputs or watch.module_outputs or watch.activation_grads):
+        return []
+    wanted = ModuleFilter(monitor.config.modules)
+    monitor.warn_unmatched("modules.names", wanted.unmatched_names(set(names)))
+    return [(path, cell) for path, cell in names.items() if path and wanted(path, type(cell).__name__)]
 
-    def __init__(self, monitor: "Monitor", net: nn.Cell, batch: TensorBatch) -> None:
+
+class CellHooks(Handles):
+    """Forward hooks on the watched Cells `cells` of `net` (`watched_cells`), and gradient hooks
+    on their outputs."""
+
+    def __init__(self, monitor: "Monitor", net: nn.Cell, cells: list[tuple[str, nn.Cell]],
+                 batch: TensorBatch) -> None:
         self.monitor = monitor
         self.batch = batch
         watch = monitor.config.watch
@@ -101,19 +119,10 @@ class CellHooks(Handles):
         self.calls: dict[str, int] = defaultdict(int)
         self.fired = False
         self.handles: list = [net.register_forward_pre_hook(jit_safe(self._root_pre_hook))]
-        self.paths: list[str] = []
-        names = dict(net.cells_and_names())
-        if monitor.graph is not None:  # cell classes, for incidents (parameter gradients need them too)
-            monitor.graph.classes.update((path, type(cell).__name__) for path, cell in names.items())
-        if not (self.inputs or self.outputs or self.grads):
-            return
-        wanted = ModuleFilter(monitor.config.modules)
-        for path, cell in names.items():
-            if path and wanted(path, type(cell).__name__):  # the root's output is the loss or the logits
-                self.paths.append(path)
-                hook = jit_safe(partial(self._on_forward, path))
-                self.handles.append(cell.register_forward_hook(hook, with_kwargs=True))
-        monitor.warn_unmatched("modules.names", wanted.unmatched_names(set(names)))
+        self.paths = [path for path, _ in cells]
+        for path, cell in cells:
+            hook = jit_safe(partial(self._on_forward, path))
+            self.handles.append(cell.register_forward_hook(hook, with_kwargs=True))
 
     def _root_pre_hook(self, cell: nn.Cell, args: tuple) -> None:
         self.calls.clear()
@@ -208,6 +217,8 @@ class OptimizerState(Handles):
         self.optimizer = optimizer
         self._held: HeldState = []
         self._before: tuple[Tensor, ...] | None = None
+        #: called first in the optimizer's pre-hook (the wiring takes a compiled forward's rows)
+        self.before_grads: Callable[[], None] = lambda: None
         self.handles: list = []
         foreign = self.order.count(None)
         if foreign:
@@ -234,7 +245,8 @@ class OptimizerState(Handles):
                 self._held = self.optimizer_state()
             else:
                 monitor.warn("a rule asked to skip the optimizer step, but the step ran compiled (no optimizer "
-                             "hook ran) or without an optimizer; it was applied")
+                             "hook ran) or without an optimizer; it was applied, unless a FiniteGate around the "
+                             "optimizer skipped it inside the graph (non-finite gradients)")
 
     def optimizer_state(self) -> HeldState:
         """Copies of every Parameter of the optimizer Cell (weights, moments, step counters)."""
@@ -261,6 +273,7 @@ class OptimizerState(Handles):
             self._before = _copies(ms.mutable(tuple(p for _, p in self.params)))
 
     def _pre_hook(self, cell: nn.Cell, args: tuple) -> None:
+        self.before_grads()
         with self.monitor.guard("optimizer pre-step"):
             self.snapshot()
         self.before_step(args[0] if args else None, hooked=True)

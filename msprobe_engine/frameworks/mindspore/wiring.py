@@ -1,10 +1,13 @@
-"""What monitors a MindSpore net: the step's tensor batch, the Cell hooks (PyNative mode) and the
-optimizer's hooks and state reads, and the work at each step's end (`MindSporeFramework.attach`,
+"""What monitors a MindSpore net: the step's tensor batch, the Cell hooks (PyNative mode), the
+taps compiled into a graph (GRAPH_MODE, `mindspore.jit`: `graph_capture`), the optimizer's hooks
+and state reads, and the work at each step's end (`MindSporeFramework.attach`,
 `msprobe_integrations.mindspore.MindSporeMonitor`).
 
 The tensors of a step are measured together, with one backend call, at the step's end: the
-wiring is the monitor's step closer (`contract.StepCloser`). Where the optimizer step ran
-compiled (no optimizer hook ran), its gradients (given as `grads`) and state are read then.
+wiring is the monitor's step closer (`contract.StepCloser`). Where the forward ran compiled
+(no Cell hook fired), the rows the graph wrote are taken then (or at the optimizer's pre-hook
+when only the optimizer ran eagerly); where the optimizer step ran compiled (no optimizer hook
+ran), its gradients (given as `grads`) and state are read at the step's end.
 """
 from __future__ import annotations
 
@@ -12,18 +15,21 @@ from typing import TYPE_CHECKING, Any
 
 from mindspore import nn
 
-from msprobe_engine.frameworks.mindspore.cell_hooks import CellHooks, OptimizerState, TensorBatch, compiled, is_tensor
+from msprobe_engine.frameworks.mindspore.cell_hooks import (CellHooks, OptimizerState, TensorBatch, compiled,
+                                                             is_tensor, watched_cells)
+from msprobe_engine.frameworks.mindspore.graph_capture import GraphCapture
 from msprobe_engine.handles import Handles
+from msprobe_engine.stats import optional_columns
 from msprobe_engine.stats.table import MetricKey
 
 if TYPE_CHECKING:
     from msprobe_engine.contract import MonitorPort
 
 GRAPH_MODE_WARNING = (
-    "GRAPH_MODE: Cell hooks do not run in a compiled graph, so activations and activation gradients "
-    "are NOT monitored; loss, parameters and optimizer state are read at step end, and parameter "
-    "gradients when they are handed over (step_end(loss, grads), or a train network built with "
-    "nn.TrainOneStepCell(..., return_grad=True)). Use PYNATIVE_MODE to monitor activations.")
+    "GRAPH_MODE: Cell outputs and their gradients are measured inside the compiled graph (one row per Cell, "
+    "its calls merged); parameter gradients only when they are handed over (step_end(loss, grads), or a train "
+    "network built with nn.TrainOneStepCell(..., return_grad=True)); a rule's skip acts only through "
+    "msprobe_integrations.mindspore.FiniteGate (docs/mindspore.md, GRAPH_MODE and mindspore.jit)")
 
 
 class CellWiring(Handles):
@@ -38,11 +44,16 @@ class CellWiring(Handles):
         pynative = not compiled()
         if not pynative:
             monitor.warn(GRAPH_MODE_WARNING)
-        self.cells = CellHooks(monitor, net, self.batch) if pynative else None
+        cells = watched_cells(monitor, net)
+        self.cells = CellHooks(monitor, net, cells, self.batch) if pynative else None
+        count_zeros = "zero_count" in optional_columns(monitor.config.stats)
+        self.graph = GraphCapture(monitor, cells, count_zeros) if cells else None
         self.optim = OptimizerState(monitor, net, optimizer, self.batch, hooks=pynative)
-        super().__init__([*([self.cells] if self.cells is not None else []), self.optim])
+        self.optim.before_grads = self._compiled_forward
+        super().__init__([part for part in (self.cells, self.graph, self.optim) if part is not None])
         self.grads: Any = None
         self._ran_compiled = False
+        self._forward_taken = False
         self.optim.snapshot()  # for a first step whose optimizer runs where no hook does
         monitor.add_step_closer(self)
 
@@ -53,9 +64,6 @@ class CellWiring(Handles):
         self._ran_compiled = not self.optim.stepped
         if self._ran_compiled:
             self._read_compiled_step(self.grads)
-        if monitor.active and self.cells is not None and self.cells.paths and not self.cells.fired:
-            monitor.warn("no Cell hook ran in a monitored step: the net ran compiled (mindspore.jit); "
-                         "activations are not monitored")
         if monitor.active and is_tensor(loss):  # measured with the rest: one backend call per step
             self.batch.add([MetricKey("train", "loss")], [loss])
             loss = None
@@ -65,6 +73,7 @@ class CellWiring(Handles):
     def step_closed(self) -> None:
         """After the step's end: the next step begins."""
         self.optim.stepped = False
+        self._forward_taken = False
         if self.cells is not None:
             self.cells.fired = False
         if self._ran_compiled:
@@ -73,10 +82,20 @@ class CellWiring(Handles):
     def _read_compiled_step(self, grads: Any) -> None:
         """The optimizer step ran where no hook runs: read its gradients and state now."""
         monitor = self.monitor
-        if self.cells is None or not self.cells.fired:
-            monitor.micro_step_begin()
+        self._compiled_forward()
         if monitor.active and grads is None and monitor.config.watch.param_grads:
             monitor.warn("parameter gradients are not monitored: no optimizer hook saw them (compiled "
                          "step, or no optimizer given); pass them as step_end(loss, grads)")
         self.optim.before_step(grads)
         self.optim.after_step()
+
+    def _compiled_forward(self) -> None:
+        """Once a step, where no Cell hook fired (the forward ran compiled): begin the micro-step and
+        take the rows the graph wrote."""
+        if self._forward_taken or (self.cells is not None and self.cells.fired):
+            return
+        self._forward_taken = True
+        self.monitor.micro_step_begin()
+        if self.graph is not None:
+            with self.monitor.guard("graph statistics"):
+                self.graph.harvest()

@@ -1,0 +1,229 @@
+"""Activation statistics from inside a compiled MindSpore graph (GRAPH_MODE, a `mindspore.jit` step).
+
+No Python hook runs in a compiled graph, but a Cell's `construct` is compiled from its source.
+So each watched Cell gets, for the monitor's lifetime, its own subclass (`_tapped_class`) whose
+`construct` calls the original one and then, compiled into the same graph, reduces the outputs
+(and inputs) to partial rows (`graph_rows.tensor_row`) and merges them into their slots of one
+preallocated float64 statistics Parameter (`ops.scatter_update`, kept by `ops.depend`). The
+gradient w.r.t. each output goes through `GradTap`, an identity Cell whose custom `bprop`
+writes the gradient's row the same way. The Parameter is held outside the Cells' parameter
+lists (the net's parameters, names and checkpoints are unchanged).
+
+Called eagerly (PyNative, no `jit`), the subclass's `__call__` marks the Cell as running in
+Python and its `construct` is the original one: the Cell hooks measure as before. The mark is
+read as a constant when MindSpore compiles the Cell, where it is always False.
+
+Once a step, at its end (`harvest`), the written rows are gathered and the Parameter reset in
+one compiled launch, and handed to the monitor as rows of the step under PyNative's names
+(`actv/<path>/output`, `output.<i>` for a tuple's items, `input.<i>`, `actv_grad/...`): the
+forward rows in the order the graph wrote them, then the gradient rows, the Cells in reverse
+order; they travel with the step's one host transfer. Which slots a graph writes is learned from one
+host read of the Parameter at the first monitored step whose graph wrote any.
+
+Limits: a Cell called several times in a step has one row (its calls merged), not `path:1`...;
+at most `ROWS_PER_CELL` tensors of a tuple (one level) per Cell and role, positional inputs
+only; the reductions run at every step of the graph, monitored or not (only the transfer is
+skipped); registered columns are nan. The subclass must be in place before the graph is
+compiled: a net compiled before the monitor was attached keeps its graph (a warning says so).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+
+from msprobe_engine.frameworks.mindspore.graph_rows import buffer_rows, tensor_row, write, written
+from msprobe_engine.stats import columns
+from msprobe_engine.stats.table import MetricKey
+
+if TYPE_CHECKING:
+    from msprobe_engine.contract import MonitorPort
+
+#: tensors of a tuple measured per Cell and role (the rest are not)
+ROWS_PER_CELL = 4
+#: slots per Cell and role: a bare tensor, then a tuple's items
+_SECTION = ROWS_PER_CELL + 1
+#: (attribute of the tapped Cell holding the section's first slot, metric kind, role prefix)
+_SECTIONS = (("_msprobe_out", "actv", "output"), ("_msprobe_in", "actv", "input"),
+             ("_msprobe_grad", "actv_grad", "output"))
+
+STALE_GRAPH = ("no statistics came from the compiled graph in a monitored step: a graph compiled before the "
+               "monitor was attached keeps its Cells as they were; attach the monitor before the first call")
+
+
+class _Holder:
+    """Holds the statistics Parameter where a Cell's `bprop` may use it (MindSpore refuses a
+    Parameter of the Cell itself there)."""
+
+    def __init__(self, buffer: Parameter) -> None:
+        self.buffer = buffer
+
+
+class GradTap(nn.Cell):
+    """Identity on `x`; its bprop writes the row of the incoming gradient into slot `slot`."""
+
+    def __init__(self, buffer: Parameter, count_zeros: bool) -> None:
+        super().__init__()
+        object.__setattr__(self, "_msprobe_holder", _Holder(buffer))  # not a parameter of this Cell
+        self.count_zeros = count_zeros
+
+    def construct(self, x, slot):
+        return x
+
+    def bprop(self, x, slot, out, dout):
+        done = write(self._msprobe_holder.buffer, slot, tensor_row(dout, self.count_zeros))
+        return ops.depend(dout, done), ops.zeros_like(slot)
+
+
+def _record(buffer, first, value, count_zeros):
+    """`value` (a tensor, or a tuple/list whose tensors are measured) kept after its rows are
+    written from slot `first` (a bare tensor) or `first + 1 + i` (item i)."""
+    if isinstance(value, Tensor):
+        return ops.depend(value, write(buffer, Tensor(first, ms.int32), tensor_row(value, count_zeros)))
+    if isinstance(value, (tuple, list)):
+        for i in range(min(len(value), ROWS_PER_CELL)):
+            item = value[i]
+            if isinstance(item, Tensor):
+                value = ops.depend(value, write(buffer, Tensor(first + 1 + i, ms.int32), tensor_row(item, count_zeros)))
+    return value
+
+
+def _floating(value):
+    return isinstance(value, Tensor) and value.dtype in (ms.float16, ms.bfloat16, ms.float32, ms.float64)
+
+
+def _grad_taps(tap, first, value):
+    """`value` with its floating-point tensors passed through `tap` (their gradients' rows)."""
+    if _floating(value):
+        return tap(value, Tensor(first, ms.int32))
+    if isinstance(value, tuple):
+        items = ()
+        for i in range(len(value)):
+            item = value[i]
+            if i < ROWS_PER_CELL and _floating(item):
+                item = tap(item, Tensor(first + 1 + i, ms.int32))
+            items = items + (item,)
+        return items
+    return value
+
+
+def _tapped_class(base: type) -> type:
+    """The subclass of Cell class `base` whose compiled `construct` writes the rows."""
+
+    class Tapped(base):
+        def construct(self, *args, **kwargs):
+            if self._msprobe_eager:
+                return base.construct(self, *args, **kwargs)
+            out = base.construct(self, *args, **kwargs)
+            if self._msprobe_in >= 0:
+                out = ops.depend(out, _record(self._msprobe_buffer, self._msprobe_in, args, self._msprobe_zeros))
+            if self._msprobe_out >= 0:
+                out = _record(self._msprobe_buffer, self._msprobe_out, out, self._msprobe_zeros)
+            if self._msprobe_grad >= 0:
+                out = _grad_taps(self._msprobe_tap, self._msprobe_grad, out)
+            return out
+
+        def __call__(self, *args, **kwargs):  # called from Python: PyNative, the Cell hooks measure
+            object.__setattr__(self, "_msprobe_eager", True)
+            try:
+                return base.__call__(self, *args, **kwargs)
+            finally:
+                object.__setattr__(self, "_msprobe_eager", False)
+
+    Tapped.__name__, Tapped.__qualname__ = base.__name__, base.__qualname__
+    return Tapped
+
+
+_TAP_ATTRIBUTES = ("_msprobe_eager", "_msprobe_buffer", "_msprobe_zeros", "_msprobe_tap",
+                   *(attr for attr, _, _ in _SECTIONS))
+
+
+class GraphCapture:
+    """The taps on the watched Cells `cells` ([(path, cell)]) of one monitor, their statistics
+    Parameter, and the step's harvest. `remove()` gives every Cell its own class back."""
+
+    def __init__(self, monitor: "MonitorPort", cells: list[tuple[str, nn.Cell]], count_zeros: bool) -> None:
+        self.monitor = monitor
+        watch = monitor.config.watch
+        wanted = {"_msprobe_out": watch.module_outputs, "_msprobe_in": watch.module_inputs,
+                  "_msprobe_grad": watch.activation_grads}
+        #: slot -> (kind, path, role of a bare tensor; an item's is role.<i>)
+        self.slots: list[tuple[str, str, str]] = []
+        self._cells: list[tuple[nn.Cell, type]] = []
+        self._reset = Tensor(buffer_rows(len(cells) * _SECTION * sum(wanted.values())))
+        self.buffer = Parameter(self._reset.copy(), name="msprobe_graph_statistics", requires_grad=False)
+        self._grad_tap = GradTap(self.buffer, count_zeros)
+        for path, cell in cells:
+            base = type(cell)
+            self._cells.append((cell, base))
+            cell.__class__ = _tapped_class(base)
+            for attr, value in (("_msprobe_eager", False), ("_msprobe_buffer", self.buffer),
+                                ("_msprobe_zeros", count_zeros), ("_msprobe_tap", self._grad_tap)):
+                object.__setattr__(cell, attr, value)
+            for attr, kind, role in _SECTIONS:
+                first = len(self.slots) if wanted[attr] else -1
+                object.__setattr__(cell, attr, first)
+                if wanted[attr]:
+                    self.slots += [(kind, path, role)] + [(kind, path, f"{role}.{i}") for i in range(ROWS_PER_CELL)]
+        self._index: Tensor | None = None  # the written slots, in the order written (learned once)
+        self._keys: list[MetricKey] = []
+        self._harvested = -1
+
+    def harvest(self) -> bool:
+        """Hand this step's rows to the monitor (a monitored step) and reset the Parameter, once a
+        step; True when there were rows."""
+        monitor = self.monitor
+        if not self.slots or self._harvested == monitor.step:
+            return bool(self._keys)
+        self._harvested = monitor.step
+        if not monitor.active:
+            ops.assign(self.buffer, self._reset)
+            return False
+        if self._index is None and not self._learn():
+            return False
+        rows = _gather_and_reset(self.buffer, self._index, self._reset, columns.n_columns())
+        monitor.rows.add(monitor.step, self._keys, rows, remember=False, seconds=0.0, measured=len(self._keys))
+        return True
+
+    def _learn(self) -> bool:
+        """Which slots the graph writes (one host read, once), in the order PyNative reports them:
+        the Cells' forward rows in the order the graph wrote them (outputs, then inputs), then
+        the gradient rows, the Cells in reverse order (a custom bprop's writes carry no order)."""
+        order = written(self.buffer.asnumpy())
+        slots = np.flatnonzero(np.isfinite(order))
+        if not slots.size:
+            self.monitor.warn(STALE_GRAPH)
+            return False
+        first: dict[str, float] = {}  # a Cell's first forward write
+        for i in slots:
+            kind, path, _ = self.slots[i]
+            if kind == "actv":
+                first[path] = min(first.get(path, np.inf), order[i])
+        rank = {path: n for n, path in enumerate(sorted(first, key=first.__getitem__))}
+
+        def place(i: int) -> tuple:
+            kind, path, _ = self.slots[i]
+            at = rank.get(path, len(rank))
+            return (1, -at, i) if kind == "actv_grad" else (0, at, i)
+
+        ordered = sorted(slots.tolist(), key=place)
+        self._keys = [MetricKey(*self.slots[i]) for i in ordered]
+        self._index = Tensor(np.array(ordered, np.int32))
+        return True
+
+    def remove(self) -> None:
+        for cell, base in self._cells:
+            cell.__class__ = base
+            for attr in _TAP_ATTRIBUTES:
+                cell.__dict__.pop(attr, None)
+        self._cells.clear()
+
+
+@ms.jit
+def _gather_and_reset(buffer, index, reset, width):
+    """The rows of slots `index` (their first `width` columns: no order column), then `buffer`
+    reset to `reset`: one launch."""
+    rows = ops.gather(buffer, index, 0)[:, :width]
+    return ops.depend(rows, ops.assign(buffer, reset))

@@ -1,0 +1,380 @@
+"""Activation statistics measured inside compiled MindSpore graphs (real MindSpore 2.10, CPU).
+
+Each compiled way of training (GRAPH_MODE with a `TrainOneStepCell`, `Model.train` with and
+without dataset sink mode, a `mindspore.jit` train step in PyNative mode) is run on the same
+net, weights and batches as a PyNative `value_and_grad` loop, and every watched Cell's output,
+input and output-gradient statistics must equal PyNative's (float32 reductions in another
+order: rtol 1e-5; counts and numel exact); the losses must be bitwise those of the same compiled
+run without the monitor.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import mindspore as ms  # noqa: E402
+import mindspore.dataset as ds  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from mindspore import Parameter, Tensor, nn, ops  # noqa: E402
+from mindspore.train import Model  # noqa: E402
+
+from msprobe_engine.incident.actions import TrainingStopped  # noqa: E402
+from msprobe_integrations.mindspore import FiniteGate, MindSporeMonitor, MonitorCallback  # noqa: E402
+
+ms.set_device("CPU")
+
+STATS = ["min", "max", "mean", "norm", "nan_count", "inf_count"]
+WATCH = {"module_outputs": True, "module_inputs": True, "activation_grads": True, "param_grads": True,
+         "params": True, "optimizer_state": ["exp_avg", "exp_avg_sq"]}
+STEPS = 3
+
+
+class Poison(nn.Cell):
+    """Multiplies by `scale` (a Parameter, so a compiled graph reads it at run time): nan poisons."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = Parameter(Tensor(1.0, ms.float32), name="poison_scale", requires_grad=False)
+
+    def construct(self, x):
+        return x * self.scale
+
+    def set(self, poisoned: bool) -> None:
+        ops.assign(self.scale, Tensor(float("nan") if poisoned else 1.0, ms.float32))  # set_data: jit keeps the old
+
+
+class Halves(nn.Cell):
+    """A Cell with a tuple output."""
+
+    def construct(self, x):
+        return x[:, :4], x[:, 4:] * 2.0
+
+
+class SqrtSquare(nn.Cell):
+    """sqrt(x * x): finite forward; where x is 0 its input gradient is nan (0 * inf)."""
+
+    def construct(self, x):
+        return ops.sqrt(x * x)
+
+
+class Net(nn.Cell):
+    def __init__(self, sqrt: bool = False) -> None:
+        super().__init__()
+        self.fc1 = nn.Dense(6, 8)
+        self.act = nn.Tanh()
+        self.halves = Halves()
+        self.poison = Poison()
+        self.fc2 = nn.Dense(8, 3)
+        self.relu = nn.ReLU() if sqrt else None  # zeros, where SqrtSquare's input gradient is nan
+        self.sqrt = SqrtSquare() if sqrt else None
+
+    def construct(self, x):
+        a, b = self.halves(self.act(self.fc1(x)))
+        h = self.poison(ops.cat([a, b], 1))
+        if self.sqrt is not None:
+            h = self.sqrt(self.relu(h))
+        return self.fc2(h)
+
+
+def make(sqrt: bool = False):
+    ms.set_seed(0)
+    net = Net(sqrt)
+    return net, nn.Adam(net.trainable_params(), learning_rate=0.01)
+
+
+def batches(n: int = STEPS):
+    rng = np.random.default_rng(0)
+    return [(rng.standard_normal((5, 6)).astype(np.float32), rng.standard_normal((5, 3)).astype(np.float32))
+            for _ in range(n)]
+
+
+def config(tmp_path, **extra):
+    return {"output_dir": str(tmp_path), "strict": True, "sinks": ["jsonl"], "stats": STATS, "watch": WATCH,
+            **extra}
+
+
+def grad_fn_of(net, opt):
+    loss_fn = nn.MSELoss()
+
+    def forward(x, y):
+        return loss_fn(net(x), y)
+
+    return ms.value_and_grad(forward, None, opt.parameters)
+
+
+def train(how: str, tmp_path=None, poison_step: int = -1, sqrt: bool = False, **extra):
+    """Train STEPS steps `how`; returns (losses as bytes, the monitor's records or None)."""
+    ms.set_context(mode=ms.PYNATIVE_MODE if how in ("pynative", "jit") else ms.GRAPH_MODE)
+    try:
+        net, opt = make(sqrt)
+        if how.startswith("model"):
+            return _model_train(net, opt, how == "model-sink", tmp_path, poison_step, extra)
+        monitor = MindSporeMonitor(net, opt, config(tmp_path, **extra)) if tmp_path is not None else None
+        losses = []
+        if how in ("pynative", "jit"):
+            grad_fn = grad_fn_of(net, opt)
+
+            def step(x, y):
+                loss, grads = grad_fn(x, y)
+                opt(grads)
+                return loss, grads
+            if how == "jit":
+                step = ms.jit(step)
+        else:
+            step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), opt, return_grad=True)
+        for i, (x, y) in enumerate(batches()):
+            net.poison.set(i == poison_step)
+            loss, grads = step(Tensor(x), Tensor(y))
+            if monitor is not None:
+                monitor.step_end(loss, grads)
+            losses.append(loss.asnumpy().tobytes())
+        if monitor is None:
+            return losses, None
+        monitor.close()
+        return losses, list(monitor.monitor.history)
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+
+
+def _model_train(net, opt, sink, tmp_path, poison_step, extra):
+    losses = []
+
+    class Watch(ms.train.Callback):
+        def on_train_step_begin(self, run_context):
+            net.poison.set(len(losses) == poison_step)
+
+        def on_train_step_end(self, run_context):
+            losses.append(run_context.original_args().net_outputs[0].asnumpy().tobytes())
+
+    callbacks = [Watch()]
+    callback = None
+    if tmp_path is not None:
+        callback = MonitorCallback(net, opt, config=config(tmp_path, **extra))
+        callbacks.append(callback)
+    train_net = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), opt, return_grad=True)
+    dataset = ds.GeneratorDataset(lambda: iter(batches()), ["x", "y"], shuffle=False)
+    Model(train_net).train(1, dataset, callbacks=callbacks, dataset_sink_mode=sink)
+    return losses, (list(callback.monitor.monitor.history) if callback is not None else None)
+
+
+def activation_metrics(record) -> dict[str, float]:
+    return {k: v for k, v in record.metrics.items() if k.startswith(("actv/", "actv_grad/"))}
+
+
+def assert_same_activations(got, want) -> None:
+    assert sorted(got) == sorted(want)
+    for tag, value in want.items():
+        if tag.endswith(("nan_count", "inf_count")):
+            assert got[tag] == value, tag
+        else:
+            np.testing.assert_allclose(got[tag], value, rtol=1e-5, atol=1e-7, err_msg=tag)
+
+
+@pytest.fixture(scope="module")
+def pynative(tmp_path_factory):
+    return train("pynative", tmp_path_factory.mktemp("pynative"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["graph", "jit", "model", "model-sink"])
+def test_compiled_activation_statistics_equal_pynative_and_losses_are_unchanged(tmp_path, pynative, how):
+    losses, history = train(how, tmp_path / "on")
+    reference_losses, reference = pynative
+    assert [r.step for r in history] == list(range(STEPS))
+    for record, want in zip(history, reference):
+        got = activation_metrics(record)
+        assert "actv/halves/output.1/norm" in got and "actv_grad/fc1/output/norm" in got
+        assert "actv/fc2/input.0/max" in got
+        assert_same_activations(got, activation_metrics(want))
+    without, _ = train(how)
+    assert losses == without  # bitwise: the taps change no value the step computes
+
+
+def test_a_jit_train_step_measures_activations_with_one_transfer_per_step(tmp_path, pynative):
+    """The fast lane's check of the in-graph capture (one compiled way, step 0 only)."""
+    losses, history = train("jit", tmp_path)
+    assert_same_activations(activation_metrics(history[0]), activation_metrics(pynative[1][0]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["graph", "jit"])
+def test_a_nan_made_in_the_graph_is_named_at_its_cell(tmp_path, how):
+    _, history = train(how, tmp_path, poison_step=1, alerts=[{"rule": "non_finite", "action": "continue"}])
+    records = {r.step: r for r in history}
+    assert not records[0].alerts
+    starts = [a for a in records[1].alerts if a.phase == "start"]
+    assert (starts[0].rule, starts[0].tag) == ("non_finite", "actv/poison/output/nan_count")
+    assert records[1].metrics["actv/halves/output.0/nan_count"] == 0  # the Cell before it was fine
+    assert records[1].metrics["actv/poison/output/nan_count"] == 40
+
+
+@pytest.mark.slow
+def test_a_nan_made_in_the_backward_pass_is_named_as_pynative_names_it(tmp_path):
+    alerts = [{"rule": "non_finite", "action": "continue"}]
+    named = {}
+    for how in ("pynative", "graph"):
+        _, history = train(how, tmp_path / how, sqrt=True, alerts=alerts)
+        starts = [a for a in history[0].alerts if a.phase == "start"]
+        named[how] = starts[0].tag
+        forward = {k: v for k, v in history[0].metrics.items() if k.startswith("actv/") and k.endswith("_count")}
+        assert not any(forward.values())  # the forward pass is finite
+        assert all(np.isfinite(v) for k, v in history[0].metrics.items() if k.startswith("grad/"))
+    assert named["graph"] == named["pynative"] == "actv_grad/relu/output/nan_count"
+
+
+def optimizer_values(opt) -> dict[str, np.ndarray]:
+    return {name: p.asnumpy().copy() for name, p in opt.parameters_and_names()}
+
+
+@pytest.mark.slow
+def test_finite_gate_skips_a_non_finite_step_inside_the_graph_and_stop_stops_at_the_step_end(tmp_path):
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        net, opt = make()
+        gate = FiniteGate(opt)
+        train_net = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), gate, return_grad=True)
+        monitor = MindSporeMonitor(net, opt, config(tmp_path / "skip", alerts=[{"rule": "non_finite",
+                                                                                "action": "skip"}]))
+        changed = []
+        for i, (x, y) in enumerate(batches()):
+            net.poison.set(i == 1)
+            before = optimizer_values(opt)
+            loss, grads = train_net(Tensor(x), Tensor(y))
+            monitor.step_end(loss, grads)
+            after = optimizer_values(opt)
+            changed.append(not all(np.array_equal(before[n], after[n]) for n in before))
+        monitor.close()
+        assert changed == [True, False, True]  # weights, moments, global_step, beta powers: bitwise kept
+        assert int(gate.skipped.asnumpy()) == 1
+        assert all(np.isfinite(p.asnumpy()).all() for p in opt.parameters)
+        starts = [a for a in monitor.monitor.history[1].alerts if a.phase == "start"]
+        assert starts[0].tag == "actv/poison/output/nan_count"
+
+        net, opt = make()
+        train_net = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), opt, return_grad=True)
+        monitor = MindSporeMonitor(net, opt, config(tmp_path / "stop", alerts=[{"rule": "non_finite",
+                                                                                "action": "stop"}]))
+        stopped = None
+        for i, (x, y) in enumerate(batches()):
+            net.poison.set(i == 1)
+            loss, grads = train_net(Tensor(x), Tensor(y))
+            try:
+                monitor.step_end(loss, grads)
+            except TrainingStopped as stop:
+                stopped = (i, stop.step, stop.rules)
+                break
+        monitor.close()
+        assert stopped == (1, 1, ["non_finite"])
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+
+
+# ---- a model ported from a transformers config ------------------------------------------------
+
+class Attention(nn.Cell):
+    """GPT-2's causal self-attention (fused qkv projection), no dropout."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.heads, self.width = cfg.n_head, cfg.n_embd
+        self.c_attn = nn.Dense(cfg.n_embd, 3 * cfg.n_embd)
+        self.c_proj = nn.Dense(cfg.n_embd, cfg.n_embd)
+        self.softmax = nn.Softmax(-1)
+
+    def construct(self, x, mask=None):
+        batch, seq, width = x.shape
+        head = width // self.heads
+        q, k, v = ops.split(self.c_attn(x), width, 2)
+        q, k, v = (t.reshape(batch, seq, self.heads, head).transpose(0, 2, 1, 3) for t in (q, k, v))
+        scores = ops.matmul(q, k.transpose(0, 1, 3, 2)) / float(np.sqrt(head))
+        if mask is not None:
+            scores = scores + mask
+        out = ops.matmul(self.softmax(scores), v).transpose(0, 2, 1, 3).reshape(batch, seq, width)
+        return self.c_proj(out)
+
+
+class Block(nn.Cell):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm((cfg.n_embd,), epsilon=cfg.layer_norm_epsilon)
+        self.attn = Attention(cfg)
+        self.ln_2 = nn.LayerNorm((cfg.n_embd,), epsilon=cfg.layer_norm_epsilon)
+        self.mlp = nn.SequentialCell(nn.Dense(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(approximate=True),
+                                     nn.Dense(4 * cfg.n_embd, cfg.n_embd))
+
+    def construct(self, x, mask):
+        x = x + self.attn(self.ln_1(x), mask=mask)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2(nn.Cell):
+    """GPT-2 built from a `transformers.GPT2Config` (its sizes; random weights, no download)."""
+
+    def __init__(self, cfg, seq: int) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
+        self.h = nn.CellList([Block(cfg) for _ in range(cfg.n_layer)])
+        self.ln_f = nn.LayerNorm((cfg.n_embd,), epsilon=cfg.layer_norm_epsilon)
+        self.lm_head = nn.Dense(cfg.n_embd, cfg.vocab_size, has_bias=False)
+        self.positions = Tensor(np.arange(seq, dtype=np.int32))
+        self.mask = Tensor(np.triu(np.full((seq, seq), -1e9, np.float32), 1))
+
+    def construct(self, ids):
+        x = self.wte(ids) + self.wpe(self.positions)
+        for block in self.h:
+            x = block(x, self.mask)
+        return self.lm_head(self.ln_f(x))
+
+
+class LMLoss(nn.Cell):
+    def __init__(self, net, vocab: int) -> None:
+        super().__init__(auto_prefix=False)
+        self.net, self.vocab = net, vocab
+        self.loss = nn.CrossEntropyLoss()
+
+    def construct(self, ids, labels):
+        return self.loss(self.net(ids).reshape(-1, self.vocab), labels.reshape(-1))
+
+
+def train_gpt2(how: str, tmp_path=None):
+    from transformers import GPT2Config
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0)
+    ms.set_context(mode=ms.PYNATIVE_MODE if how == "pynative" else ms.GRAPH_MODE)
+    try:
+        ms.set_seed(0)
+        net = GPT2(cfg, seq=8)
+        opt = nn.AdamWeightDecay(net.trainable_params(), learning_rate=1e-3)
+        monitor = MindSporeMonitor(net, opt, config(tmp_path)) if tmp_path is not None else None
+        train_net = nn.TrainOneStepCell(LMLoss(net, cfg.vocab_size), opt, return_grad=True)
+        rng = np.random.default_rng(0)
+        losses, records = [], []
+        for _ in range(2):
+            ids = rng.integers(0, cfg.vocab_size, (4, 9)).astype(np.int32)
+            loss, grads = train_net(Tensor(ids[:, :-1]), Tensor(ids[:, 1:]))
+            if monitor is not None:
+                records.append(monitor.step_end(loss, grads))
+            losses.append(loss.asnumpy().tobytes())
+        if monitor is not None:
+            monitor.close()
+        return losses, list(monitor.monitor.history) if monitor is not None else None
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+
+
+@pytest.mark.slow
+def test_a_gpt2_ported_from_a_transformers_config_measures_as_in_pynative(tmp_path):
+    _, reference = train_gpt2("pynative", tmp_path / "pynative")
+    losses, history = train_gpt2("graph", tmp_path / "graph")
+    for record, want in zip(history, reference):
+        got = activation_metrics(record)
+        for tag in ("actv/h.0.attn/output/norm", "actv/h.1.mlp.1/output/max", "actv/wte/input.0/max",
+                    "actv_grad/h.0.ln_1/output/norm", "actv/h.1.attn.softmax/output/min"):
+            assert tag in got, tag
+        want = activation_metrics(want)
+        keyword = {tag for tag in want if "/input.mask/" in tag}  # keyword inputs: PyNative only
+        assert keyword and not keyword & set(got)
+        assert_same_activations(got, {tag: v for tag, v in want.items() if tag not in keyword})
+    assert losses == train_gpt2("graph")[0]
