@@ -233,6 +233,29 @@ def test_an_injected_backward_nan_names_the_same_culprit_as_eager(tmp_path):
     assert named["compiled"] == (*named["eager"][:3], "replay")
 
 
+def test_a_compiled_optimizer_step_runs_the_monitors_hooks_eagerly(tmp_path):
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    monitor = TorchMonitor(model, opt, {**EVERYTHING, "output_dir": str(tmp_path)})
+    step = torch.compile(opt.step)
+    for _ in range(3):
+        opt.zero_grad(set_to_none=True)
+        loss = model(torch.randn(8, 16))
+        loss.backward()
+        step()
+        monitor.step_end(loss)
+    monitor.close()
+    breaks, graphs = counts()
+    assert breaks <= 2 and graphs == 1  # the hooks' breaks at the step's start and end; the step's math is one graph
+    history = list(monitor.history)
+    assert [r.step for r in history] == [0, 1, 2]
+    for tag in ("grad/head.weight/norm", "optim/head.weight/exp_avg/norm", "optim/head.weight/update/norm"):
+        assert len({r.metrics[tag] for r in history}) == 3, tag
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: compile with inductor's GPU "
                     "kernels (triton) and the buffer on the device")
