@@ -15,9 +15,10 @@ Printed: one table per model, then, as the LAST line, one JSON object:
     OMP_NUM_THREADS=1 python bench/suite.py [--quick] [--models small_lm gpt2-1m ...]
         [--steps N] [--warmup N] [--compiled]
 
-`--compiled`: every model compiled in place (`model.compile()`, inductor), one process per
-mode (a second instance in a process would reuse the first one's graphs), a `none` process beside
-each config's; ratio = ours over that `none` (not interleaved: noisier under load); the graph breaks and graphs of the process are reported too
+`--compiled` [--configs ...]: every model compiled in place (`model.compile()`, inductor), one
+process per mode (a second instance in a process would reuse the first one's graphs), a `none`
+process beside each config's, the two stepped in turn (rounds interleaved, the order rotated);
+ratio = ours over that `none`; the graph breaks and graphs of each first step are reported too
 (docs/compile.md). The predecessor and the floors are not run compiled.
 """
 from __future__ import annotations
@@ -56,9 +57,8 @@ def groups(model: str) -> list[list[str]]:
     return runs
 
 
-def worker(model_name: str, modes: list[str], steps: int, warmup: int, compiled: bool = False) -> dict[str, float]:
-    """Median step time (s) of each mode, all trained side by side in this process (`compiled`:
-    each model compiled in place; then also the process's graph breaks and graphs)."""
+def worker(model_name: str, modes: list[str], steps: int, warmup: int) -> dict[str, float]:
+    """Median step time (s) of each mode, all trained side by side in this process."""
     import logging
 
     import torch
@@ -73,8 +73,6 @@ def worker(model_name: str, modes: list[str], steps: int, warmup: int, compiled:
     runs = {}
     for name in modes:
         model, forward = build(model_name)
-        if compiled:
-            model.compile()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
         def step(forward=forward, optimizer=optimizer):
@@ -84,14 +82,6 @@ def worker(model_name: str, modes: list[str], steps: int, warmup: int, compiled:
             optimizer.step()
             return loss
         runs[name] = (mode_lib.make(name, model, optimizer, out), step, [])
-    compiles = {}
-    if compiled:  # one untimed step of each mode alone first: the graphs and breaks each compiles to
-        counters = torch._dynamo.utils.counters
-        for name, (mode, step, _) in runs.items():
-            before = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
-            mode.run(step)
-            compiles[f"{name}:graph_breaks"] = sum(counters["graph_break"].values()) - before[0]
-            compiles[f"{name}:graphs"] = counters["stats"]["unique_graphs"] - before[1]
     for i in range(warmup + steps):
         shift = i % len(modes)
         for name in modes[shift:] + modes[:shift]:
@@ -103,12 +93,77 @@ def worker(model_name: str, modes: list[str], steps: int, warmup: int, compiled:
     for mode, _, _ in runs.values():
         mode.close()
     medians = {name: statistics.median(times) for name, (_, _, times) in runs.items()}
-    return {**medians, **compiles}
+    return medians
 
 
-def run_group(model: str, modes: list[str], steps: int, warmup: int, compiled: bool = False) -> dict[str, float]:
+def serve(model_name: str, mode_name: str) -> None:
+    """One mode of one compiled model, stepped on request (`--serve`): prints its first step's graph
+    breaks and graphs as JSON, then the seconds of one step for each "step" line read from stdin."""
+    import logging
+
+    import torch
+
+    import modes as mode_lib
+    from models import build
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    torch.set_num_threads(1)
+    model, forward = build(model_name)
+    model.compile()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step():
+        loss = forward()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        return loss
+    mode = mode_lib.make(mode_name, model, optimizer, Path(tempfile.mkdtemp(prefix="msprobe-suite-")))
+    counters = torch._dynamo.utils.counters
+    mode.run(step)
+    print(json.dumps({"graph_breaks": sum(counters["graph_break"].values()),
+                      "graphs": counters["stats"]["unique_graphs"]}), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "step":
+            break
+        start = time.perf_counter()
+        mode.run(step)
+        print(time.perf_counter() - start, flush=True)
+    mode.close()
+
+
+def run_interleaved(model: str, modes: list[str], steps: int, warmup: int) -> dict[str, float]:
+    """Each mode in a process of its own (`serve`), stepped in turn, the order rotated every round:
+    the median seconds of each, and its first step's graph breaks and graphs."""
+    procs = {m: subprocess.Popen([sys.executable, __file__, "--serve", model, "--modes", m], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True) for m in modes}
+    result: dict[str, float] = {}
+    try:
+        for m, proc in procs.items():
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"{model} {m}: the worker exited (exit {proc.wait()})")
+            result.update({f"{m}:{k}": v for k, v in json.loads(line).items()})
+        times: dict[str, list[float]] = {m: [] for m in modes}
+        for i in range(warmup + steps):
+            shift = i % len(modes)
+            for m in modes[shift:] + modes[:shift]:
+                procs[m].stdin.write("step\n")
+                procs[m].stdin.flush()
+                seconds = float(procs[m].stdout.readline())
+                if i >= warmup:
+                    times[m].append(seconds)
+    finally:
+        for proc in procs.values():
+            proc.stdin.close()
+            proc.wait()
+    return {**result, **{m: statistics.median(t) for m, t in times.items()}}
+
+
+def run_group(model: str, modes: list[str], steps: int, warmup: int) -> dict[str, float]:
     cmd = [sys.executable, __file__, "--worker", model, "--modes", ",".join(modes),
-           "--steps", str(steps), "--warmup", str(warmup)] + (["--compiled"] if compiled else [])
+           "--steps", str(steps), "--warmup", str(warmup)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{model} {modes}: exit {done.returncode}\n{done.stderr[-3000:]}")
@@ -138,14 +193,14 @@ def summarise(model: str, medians: list[dict[str, float]]) -> dict:
     return result
 
 
-def summarise_compiled(model: str, medians: list[dict[str, float]]) -> dict:
+def summarise_compiled(model: str, medians: list[dict[str, float]], configs=CONFIGS) -> dict:
     """Compiled: each config's ratio over its own process's compiled `none`, with the graph breaks
     and graphs of the first step of each (without the tool / with ours)."""
     result = {}
     first = medians[0]
     print(f"== {model} compiled: no tool {first['none'] * 1e3:.1f} ms/step, "
           f"{first['none:graph_breaks']} graph breaks, {first['none:graphs']} graphs")
-    for config, group in zip(CONFIGS, medians):
+    for config, group in zip(configs, medians):
         ours = f"ours_{config}"
         ratio = round(group[ours] / group["none"], 3)
         result[config] = {"ratio": ratio, "graph_breaks": group[f"{ours}:graph_breaks"],
@@ -165,11 +220,17 @@ def main() -> None:
     parser.add_argument("--compiled", action="store_true", help="the models compiled (inductor), ours against none")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--modes", help=argparse.SUPPRESS)
+    parser.add_argument("--serve", help=argparse.SUPPRESS)
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, help="--compiled: these configs only")
     args = parser.parse_args()
+    if args.serve:
+        serve(args.serve, args.modes)
+        return
     if args.worker:
-        print(json.dumps(worker(args.worker, args.modes.split(","), args.steps, args.warmup, args.compiled)))
+        print(json.dumps(worker(args.worker, args.modes.split(","), args.steps, args.warmup)))
         return
     models = args.models or (SMALL if args.quick else SMALL + MEDIUM)
+    configs = args.configs or CONFIGS
     report = {}
     for model in models:
         steps = args.steps or (4 if args.quick else 8 if model in MEDIUM else 20)
@@ -177,9 +238,8 @@ def main() -> None:
         if args.compiled:
             # one process per mode: a second model instance in a process reuses the graphs compiled for the
             # first (Dynamo does not guard on module hooks), so ours would run in none's graph, unhooked
-            medians = [{**run_group(model, ["none"], steps, warmup, True),
-                        **run_group(model, [f"ours_{c}"], steps, warmup, True)} for c in CONFIGS]
-            report[model] = summarise_compiled(model, medians)
+            medians = [run_interleaved(model, ["none", f"ours_{c}"], steps, warmup) for c in configs]
+            report[model] = summarise_compiled(model, medians, configs)
             continue
         medians = [run_group(model, modes, steps, warmup) for modes in groups(model)]
         report[model] = summarise(model, medians)

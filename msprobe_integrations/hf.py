@@ -55,11 +55,12 @@ from transformers.trainer_callback import ExportableState
 
 from msprobe_engine.config import ConfigSource, load_config
 from msprobe_engine.contract import Integration
+from msprobe_engine.frameworks.torch.compiled_hooks import RunTimeCall, never_a_frame
 from msprobe_engine.incident.actions import TrainingStopped
 from msprobe_engine.monitor import Monitor
 from msprobe_engine.handles import Handles
 from msprobe_engine.stats.table import MetricKey
-from msprobe_integrations.trainer_adapter import ALERTS_KEY, AlertCount, TrainerAdapter, announce, \
+from msprobe_integrations.trainer_adapter import ALERTS_KEY, AlertCount, TrainerAdapter, announce, batch_sizes, \
     optimizer_settings, quiet, record_hyperparameters, speak_through_progress_bar
 from msprobe_integrations.trainer_hooks import resumed_config
 
@@ -180,6 +181,7 @@ class TrainerHooks(TrainerAdapter):
             return
         self.reads = OptimizerHooks(monitor, model, None, read_grads=ranks > 1)
         self._loss_is_share = False  # the model divides its loss by the step's token count
+        self._keep = RunTimeCall(self._kept)
         self._grads: list[tuple[MetricKey, torch.Tensor]] = []  # final this backward, measured at its end
         handles = [ModuleHooks(monitor, model),
                    Handles([model.register_forward_hook(self._loss_hook, with_kwargs=True)])]
@@ -191,14 +193,22 @@ class TrainerHooks(TrainerAdapter):
         monitor.add_attachment(*handles)
 
     # ---- hooks ------------------------------------------------------------------
+    @never_a_frame
     def _loss_hook(self, module, args, kwargs, output) -> None:
         if not (self.monitor.active and module.training and torch.is_grad_enabled()):
             return
-        self._loss_is_share = kwargs.get("num_items_in_batch") is not None
-        self.count_batch(kwargs)
         loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-        if isinstance(loss, torch.Tensor):
-            self.keep_loss(loss)
+        # traced (the model inside a larger compiled module; `never_a_frame`): what it keeps, at run time
+        self._keep([loss] if isinstance(loss, torch.Tensor) else [],
+                   [*batch_sizes(kwargs), kwargs.get("num_items_in_batch") is not None])
+
+    def _kept(self, losses: list[torch.Tensor], values: list[int]) -> None:
+        """One training forward's loss (if the output has one) and batch (`_loss_hook`)."""
+        samples, tokens, share = values
+        self._loss_is_share = bool(share)
+        self.add_sizes(samples, tokens)
+        if losses:
+            self.keep_loss(losses[0])
         else:
             self.monitor.warn("MonitorCallback: the model's output has no `loss` (a compute_loss outside the "
                               "model?): train/loss is not monitored")

@@ -56,14 +56,13 @@ class TrainerAdapter(Integration):
             self._losses.append(loss.detach().reshape(()))
 
     def count_batch(self, batch: Any) -> None:
-        """A micro-batch's size, from shapes only (no sync): samples, the first dimension of its
-        `input_ids` (else of its first tensor); tokens, the elements of its `input_ids`."""
-        ids = batch.get("input_ids") if isinstance(batch, dict) else None
-        first = ids if isinstance(ids, torch.Tensor) else _first_tensor(batch)
-        if first is not None and first.dim() > 0:
-            self._samples += first.shape[0]
-        if isinstance(ids, torch.Tensor):
-            self._tokens += ids.numel()
+        """A micro-batch's size (`batch_sizes`)."""
+        self.add_sizes(*batch_sizes(batch))
+
+    def add_sizes(self, samples: int, tokens: int) -> None:
+        """A micro-batch of `samples` samples and `tokens` tokens."""
+        self._samples += samples
+        self._tokens += tokens
 
     def report_losses(self, combine: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """The step's loss: `combine` of the kept micro-batch losses (stacked)."""
@@ -142,6 +141,15 @@ class TrainerAdapter(Integration):
         seconds = max(time.perf_counter() - self._step_ended, 1e-9)
         return {SAMPLES_PER_S: self._samples / seconds if self._samples else None,
                 TOKENS_PER_S: self._tokens / seconds if self._tokens else None}
+
+
+def batch_sizes(batch: Any) -> tuple[int, int]:
+    """A micro-batch's size, from shapes only (no sync): samples, the first dimension of its
+    `input_ids` (else of its first tensor); tokens, the elements of its `input_ids`."""
+    ids = batch.get("input_ids") if isinstance(batch, dict) else None
+    first = ids if isinstance(ids, torch.Tensor) else _first_tensor(batch)
+    samples = first.shape[0] if first is not None and first.dim() > 0 else 0
+    return samples, ids.numel() if isinstance(ids, torch.Tensor) else 0
 
 
 def _first_tensor(batch: Any) -> torch.Tensor | None:

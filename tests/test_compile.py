@@ -1,7 +1,7 @@
 """The monitor inside `torch.compile` (inductor, CPU): no graph break, no recompilation caused by
 the monitor, statistics measured in the graph that change every step and equal eager's, losses
 bitwise equal to the compiled run without the monitor, and incidents that name eager's culprit
-for a forward fault."""
+for a forward and a backward fault."""
 import dataclasses
 
 import numpy as np
@@ -11,7 +11,7 @@ import torch._dynamo
 from torch import nn
 
 from incident_helpers import config as incident_config
-from incident_helpers import gpt_and_adam, read_incident, run as run_incident_steps
+from incident_helpers import gpt_and_adam, inject_backward, read_incident, run as run_incident_steps
 from examples.tiny_gpt import inject
 from msprobe_engine.config import load_config
 from msprobe_engine.frameworks.torch.compiled_hooks import clean_path, compiled_parts
@@ -117,6 +117,29 @@ def test_a_compiled_wrapper_given_to_the_monitor_keeps_the_module_names_and_coun
     assert [r.micro_steps for r in monitor.history] == [1, 1]
 
 
+def test_a_model_compiled_after_attach_counts_micro_steps_in_the_graph(tmp_path):
+    """Dynamo runs the root's pre-hook eagerly (`never_a_frame`), no graph of its own; inlined into a
+    larger compiled module it counts at run time through `RunTimeCall` (nn.Sequential is inlined)."""
+    _, monitor, (breaks, graphs) = train({**EVERYTHING, "output_dir": str(tmp_path / "net")}, 2)
+    assert (breaks, graphs) == (0, 1)
+    assert [r.micro_steps for r in monitor.history] == [1, 1]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = nn.Sequential(Net(), nn.Identity())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    monitor = TorchMonitor(model, opt, {**EVERYTHING, "output_dir": str(tmp_path / "seq")})
+    forward = torch.compile(model, fullgraph=True)
+    for micro_steps in (2, 3):
+        for _ in range(micro_steps):
+            forward(torch.randn(8, 16)).backward()
+        opt.step()
+        opt.zero_grad()
+        monitor.step_end()
+    monitor.close()
+    assert counts() == (0, 1)
+    assert [r.micro_steps for r in monitor.history] == [2, 3]
+
+
 def test_a_schedule_that_skips_steps_uses_two_graphs(tmp_path):
     config = {**EVERYTHING, "output_dir": str(tmp_path), "schedule": {"interval": 2}}
     losses, monitor, (breaks, graphs) = train(config, 6)
@@ -186,6 +209,51 @@ def test_an_injected_forward_nan_names_the_same_culprit_as_eager(tmp_path):
         named[mode] = (found["phase"], found["call"])
         assert found["first_bad"].startswith(f"actv/{layer}/output")
     assert named["compiled"] == named["eager"] == ("forward", layer)
+
+
+@pytest.mark.slow
+def test_an_injected_backward_nan_names_the_same_culprit_as_eager(tmp_path):
+    """Under compile the step's rows note no call graph: the culprit is searched in the eager replay's."""
+    layer = "layers.1.mlp.2"
+    named = {}
+    for mode in ("eager", "compiled"):
+        torch._dynamo.reset()
+        model, opt = gpt_and_adam()
+        monitor = None
+        inject_backward(model, layer, lambda: monitor.step, 2, "nan", "function")
+        out = tmp_path / mode
+        monitor = TorchMonitor(model, opt, incident_config(out, watch={"activation_grads": True}))
+        if mode == "compiled":
+            model.forward = torch.compile(model.forward)
+        run_incident_steps(model, opt, monitor, 4)
+        monitor.close()
+        found = culprit(out, 2)
+        named[mode] = (found["phase"], found["call"], found["dump_entry"], found.get("from"))
+    assert named["eager"] == ("backward", layer, f"Module.{layer}.Linear.backward.0", None)
+    assert named["compiled"] == (*named["eager"][:3], "replay")
+
+
+def test_a_compiled_optimizer_step_runs_the_monitors_hooks_eagerly(tmp_path):
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    monitor = TorchMonitor(model, opt, {**EVERYTHING, "output_dir": str(tmp_path)})
+    step = torch.compile(opt.step)
+    for _ in range(3):
+        opt.zero_grad(set_to_none=True)
+        loss = model(torch.randn(8, 16))
+        loss.backward()
+        step()
+        monitor.step_end(loss)
+    monitor.close()
+    breaks, graphs = counts()
+    assert breaks <= 2 and graphs == 1  # the hooks' breaks at the step's start and end; the step's math is one graph
+    history = list(monitor.history)
+    assert [r.step for r in history] == [0, 1, 2]
+    for tag in ("grad/head.weight/norm", "optim/head.weight/exp_avg/norm", "optim/head.weight/update/norm"):
+        assert len({r.metrics[tag] for r in history}) == 3, tag
 
 
 @pytest.mark.gpu

@@ -141,7 +141,7 @@ class IncidentRecorder:
             replay = result.as_dict()
             if result.dump is not None:  # relative: the directory may be moved or sent on
                 replay["dump"] = os.path.relpath(result.dump, incident.directory)
-            report = {**incident.report, "replay": replay}
+            report = {**incident.report, "replay": replay, **self._replayed_culprit(incident, result)}
             self._submit(incident, partial(incident.files.write_report, report))
 
     # ---- starting -----------------------------------------------------------------------
@@ -162,14 +162,18 @@ class IncidentRecorder:
                 self.context.warn(f"incident limit reached ({self.config.max_incidents}): later alerts are "
                              "logged but leave no incident directory")
                 continue
-            bad = self._rules[rule].blame(table, fold) if rule in self._rules else fold > 3.0
-            incident = self._incident(step, table, events, firing, first_culprit(table, bad, graph), fold, facts)
+            incident = self._incident(step, table, events, firing, first_culprit(table, self._bad(rule, table, fold),
+                                                                                graph), fold, facts)
             dump = partial(stats_dump, table, graph, dict(facts.tensor_meta), self.context.framework)
             self._submit(incident, partial(incident.files.write_evidence, self._records(step, table, events, facts),
                                            self._dump_path(step), self._dump_meta(), dump))
             self.incidents.append(incident)
             made.append(incident)
         return made
+
+    def _bad(self, rule: str, table: StatTable, fold: np.ndarray) -> np.ndarray:
+        """The rows of `table` that show `rule`'s anomaly (`fold`: their deviations)."""
+        return self._rules[rule].blame(table, fold) if rule in self._rules else fold > 3.0
 
     def _incident(self, step: int, table: StatTable, events: list[AlertEvent], firing: list[Firing],
                   culprit: Culprit | None, fold: np.ndarray, facts: StepFacts) -> Incident:
@@ -241,6 +245,20 @@ class IncidentRecorder:
                              first.directory / REPLAY_DIR, first.step, self.config.replay.level)
         log.warning("msprobe: replay of step %d: %s (%s)", first.step, result.status, result.detail)
         return result
+
+    def _replayed_culprit(self, incident: Incident, result: ReplayResult) -> dict[str, Any]:
+        """`{"culprit": ...}` searched in the replay's rows when the step's own rows named no call
+        and the replay's do (a compiled step: its hooks note no call graph; the replay runs
+        eagerly and does); else nothing. The culprit says `"from": "replay"`."""
+        measured = result.measured
+        if (incident.culprit is not None and incident.culprit.call is not None) or measured is None \
+                or measured.table is None:
+            return {}
+        table = measured.table
+        found = first_culprit(table, self._bad(incident.rule, table, self.norms.deviation(table)), measured.graph)
+        if found is None or found.call is None:
+            return {}
+        return {"culprit": {**self._culprit_dict(found), "from": "replay"}}
 
     def _submit(self, incident: Incident, job: Callable[[], None]) -> None:
         if not self.context.writer.submit(job, "incident"):

@@ -17,10 +17,11 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Protocol
 
+from msprobe_engine.incident.graph import CallGraph
 from msprobe_engine.stats import STATISTICS
 from msprobe_engine.stats.table import StatTable
 
@@ -60,16 +61,27 @@ class Fired:
 
 
 @dataclass
+class Measured:
+    """What the monitor measured in a replay: every statistic by tag (`values`), the replay's
+    table and the call graph its (eager) hooks noted."""
+    values: dict[str, float] = field(default_factory=dict)
+    table: StatTable | None = None
+    graph: CallGraph | None = None
+
+
+@dataclass
 class ReplayResult:
-    """`status`: reproducible | transient | partial (some tensors fired again) | failed | not_run."""
+    """`status`: reproducible | transient | partial (some tensors fired again) | failed | not_run;
+    `measured`: what the replay measured (not part of the report)."""
     status: str
     detail: str = ""
     checks: list[dict] = field(default_factory=list)
     dump: str | None = None
     seconds: float = 0.0
+    measured: Measured | None = field(default=None, repr=False, compare=False)
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {k: v for k, v in asdict(replace(self, measured=None)).items() if k != "measured"}
 
 
 def every_statistic(table: StatTable) -> dict[str, float]:
@@ -82,14 +94,14 @@ def not_run(why: str) -> ReplayResult:
     return ReplayResult("not_run", why)
 
 
-def replay_step(call: StepCall, host: ReplayHost, measure: Callable[[], ContextManager[dict[str, float]]],
+def replay_step(call: StepCall, host: ReplayHost, measure: Callable[[], ContextManager[Measured]],
                 fired: list[Fired], dump_path: Path, step: int, level: str) -> ReplayResult:
     """Run `call` again as described in the module docstring; never raises for an error of the
     step function (the result says `failed`)."""
     start = time.perf_counter()
     resume = host.capture_rng()
     try:
-        with host.isolated(), measure() as values, host.tensor_dump(dump_path, step, level):
+        with host.isolated(), measure() as measured, host.tensor_dump(dump_path, step, level):
             host.restore_rng(call.rng)
             call.fn(*call.args, **call.kwargs)
     except Exception as exc:  # the user's step failed when run again: reported, training goes on
@@ -97,12 +109,12 @@ def replay_step(call: StepCall, host: ReplayHost, measure: Callable[[], ContextM
         return ReplayResult("failed", f"{type(exc).__name__}: {exc}", seconds=time.perf_counter() - start)
     finally:
         host.restore_rng(resume)
-    checks = [_check(f, values.get(f.tag)) for f in fired]
+    checks = [_check(f, measured.values.get(f.tag)) for f in fired]
     again = sum(c["reproduced"] for c in checks)
     status = "reproducible" if again == len(checks) else "transient" if again == 0 else "partial"
     dump = str(dump_path) if dump_path.exists() else None
     return ReplayResult(status, f"{again} of {len(checks)} fired tensors fired again", checks, dump,
-                        time.perf_counter() - start)
+                        time.perf_counter() - start, measured)
 
 
 def _check(fired: Fired, value: float | None) -> dict:

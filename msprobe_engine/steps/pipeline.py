@@ -20,7 +20,7 @@ import numpy as np
 from msprobe_engine.collect.step_rows import StepRows
 from msprobe_engine.incident.actions import StepDecision, TrainingStopped
 from msprobe_engine.incident.recorder import Incident, IncidentRecorder, StepFacts
-from msprobe_engine.incident.replay import every_statistic
+from msprobe_engine.incident.replay import Measured, every_statistic
 from msprobe_engine.records import AlertEvent, StepRecord
 from msprobe_engine.rules import AlertTracker, Firing, Rule
 from msprobe_engine.steps.clock import StepClock
@@ -208,19 +208,22 @@ class StepPipeline:
 
     # ---- replay -----------------------------------------------------------------------------
     @contextlib.contextmanager
-    def replay_statistics(self) -> Iterator[dict[str, float]]:
+    def replay_statistics(self) -> Iterator[Measured]:
         """While a step is replayed: hooks measure into a buffer of their own, the lifecycle
-        calls do nothing and the optimizer step is skipped. On a normal exit the dict holds the
-        replay's values (every statistic of every row, by tag, and the step's metrics)."""
+        calls do nothing and the optimizer step is skipped. On a normal exit it holds the
+        replay's values (every statistic of every row, by tag, and the step's metrics), its
+        table and the call graph noted (`incident.replay.Measured`)."""
         saved, self.rows.pending, self.replay.replaying = self.rows.pending, [], True
-        values: dict[str, float] = {}
+        measured = Measured()
         try:
-            yield values
+            yield measured
             # every rank replays a step whose merged rows fired: a data-parallel reducer that
             # says so (`replays_together`) merges the replay's rows as it did the step's
             together = self.reducer is not None and self.reducer.replays_together
             table = self.transfer(reduce=False, merge=together)[self.clock.step]
-            values.update(every_statistic(table))
-            values.update(self.metrics(table))
+            measured.values.update(every_statistic(table))
+            measured.values.update(self.metrics(table))
+            graph = self.facts(self.clock.micro_steps).graph
+            measured.table, measured.graph = table, graph.copy() if graph is not None else None
         finally:
             self.rows.pending, self.replay.replaying = saved, False

@@ -18,6 +18,15 @@ rows, and the buffer is reset. Names, rules, timing and the one host transfer st
 The graph reads one Python value, `Monitor.active` (guarded): a monitored step and an
 unmonitored one use two graphs, no more.
 
+Python work that must happen at every call but cannot be traced (a loss kept in a list, a
+micro-step counted) goes through `RunTimeCall`: a registered `torch.library` op (`msprobe::at_run_time`,
+a fake implementation for tracing) that the graph calls at run time with its tensors and integer
+constants, so no Python state is captured in the graph or guarded on.
+
+A hook of the module that `torch.compile(module)` wraps is run by torch's own module code, and Dynamo
+would compile it as a frame (a graph) of its own: `never_a_frame` hooks run eagerly there instead
+(the eager path, no graph), and are traced only where they are inlined into a traced frame.
+
 Under compile, a module called several times in a step has one row (its calls merged), and
 inputs are rows only when `watch.module_inputs` is on (no hidden input rows for incidents).
 """
@@ -86,6 +95,54 @@ def _slot(capture: int, kind: str, path: str, role: str) -> int:
     """The buffer row of a name (-1: the buffer is full). Runs while tracing only: its result
     is a constant of the graph."""
     return _CAPTURES[capture].slot(MetricKey(kind, path, role))
+
+
+def never_a_frame(fn: Callable) -> Callable:
+    """`fn` (a hook), never compiled as a frame of its own: where Dynamo would start a frame at it,
+    it runs eagerly with all it calls; inlined into a traced frame it is traced. (Dynamo's
+    per-code frame strategy; on a torch without it, such a hook is compiled as its own graph.)"""
+    try:
+        from torch._dynamo.eval_frame import FrameAction, FrameExecStrategy, set_code_exec_strategy
+    except ImportError:  # pragma: no cover - torch versions before 2.6
+        return fn
+    set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    return fn
+
+
+_RUN_TIME: "weakref.WeakValueDictionary[int, RunTimeCall]" = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("msprobe::at_run_time", mutates_args=("token",))
+def _at_run_time(token: torch.Tensor, call: int, tensors: list[torch.Tensor], values: list[int]) -> None:
+    """Run the `RunTimeCall` `call` with `tensors` and `values` (the op a graph keeps: it mutates
+    `token`, a counter of its calls)."""
+    token.add_(1)
+    target = _RUN_TIME.get(call)
+    if target is not None:
+        target.fn([t.clone() for t in tensors], values)  # the graph may reuse their memory
+
+
+@_at_run_time.register_fake
+def _(token: torch.Tensor, call: int, tensors: list[torch.Tensor], values: list[int]) -> None:
+    return None
+
+
+class RunTimeCall:
+    """`fn(tensors, values)` run at every call of the code that calls it, eager or compiled: inside
+    a graph being traced it is recorded as the `msprobe::at_run_time` op (run with the graph's
+    tensors, copied, at run time; `values`, integers, are fixed at trace time)."""
+
+    def __init__(self, fn: Callable[[list[torch.Tensor], list[int]], None]) -> None:
+        self.fn = fn
+        self.ident = next(_ids)
+        self.token = torch.zeros((), dtype=torch.int64)
+        _RUN_TIME[self.ident] = self
+
+    def __call__(self, tensors: list[torch.Tensor] = (), values: list[int] = ()) -> None:
+        if torch.compiler.is_compiling():
+            torch.ops.msprobe.at_run_time(self.token, self.ident, [t.detach() for t in tensors], list(values))
+        else:
+            self.fn(list(tensors), list(values))
 
 
 def partial_row(tensor: torch.Tensor, count_zeros: bool) -> torch.Tensor:

@@ -19,7 +19,10 @@ row measured are measured once, as are (with activation gradients) their gradien
 Under `torch.compile` (the hook traced by Dynamo) a hook takes the traced path of
 `compiled_hooks` instead: tensor ops writing into the monitor's device buffer, nothing else.
 A `torch.compile(model)` wrapper given here is unwrapped (its root pre-hook stays on the
-wrapper, outside the graph), and the `_orig_mod` parts of compiled submodules' paths dropped.
+wrapper, outside the graph), and the `_orig_mod` parts of compiled submodules' paths dropped;
+the hooks of a compiled module's root run eagerly (`compiled_hooks.never_a_frame`), and a root
+pre-hook traced inside a larger compiled module counts the micro-step at run time
+(`compiled_hooks.RunTimeCall`).
 """
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ import torch
 
 from msprobe_engine.collect.flatten import iter_tensors
 from msprobe_engine.collect.selection import ModuleFilter
-from msprobe_engine.frameworks.torch.compiled_hooks import CompiledCapture, clean_path, is_compiled_wrapper, unwrap
+from msprobe_engine.frameworks.torch.compiled_hooks import CompiledCapture, RunTimeCall, clean_path, is_compiled_wrapper, \
+    never_a_frame, unwrap
 from msprobe_engine.frameworks.torch.flow import TensorFlow
 from msprobe_engine.handles import Handles
 from msprobe_engine.incident.graph import INPUT_GRAD_KIND
@@ -72,6 +76,7 @@ class ModuleHooks(Handles):
         self.calls: dict[str, int] = defaultdict(int)
         self.recomputed: dict[str, int] = defaultdict(int)
         self._grad_hooks: dict[MetricKey, Callable] = {}  # one gradient hook per key, made once
+        self._micro_step = RunTimeCall(lambda tensors, values: monitor.micro_step_begin())
         self.handles: list = [model.register_forward_pre_hook(self._root_pre_hook)]
         self.paths: list[str] = []
         if not (self.inputs or self.outputs or self.grads):
@@ -98,9 +103,14 @@ class ModuleHooks(Handles):
         """Whether a hook ran on the eager path in the current micro-step."""
         return bool(self.calls or self.recomputed)
 
+    @never_a_frame
     def _root_pre_hook(self, module, args) -> None:
-        if torch.compiler.is_compiling() or in_backward():
-            return  # compiled: micro-steps are counted only from a compiled wrapper's own (eager) pre-hook
+        if torch.compiler.is_compiling():
+            if self.counts_micro_steps:  # the model compiled after attach: this hook is traced
+                self._micro_step()
+            return
+        if in_backward():
+            return
         self.calls.clear()
         self.recomputed.clear()
         if self.flow is not None:
@@ -113,6 +123,7 @@ class ModuleHooks(Handles):
         where = f"forward hook of {path}"
         names = [path]  # the name of each call in a micro-step: path, path:1, ... (made once)
 
+        @never_a_frame  # a compiled submodule's own hooks: eager, not a graph of their own
         def hook(module, args, kwargs, output):
             if torch.compiler.is_compiling():
                 return self._traced(path, args, kwargs, output) if monitor.active else None

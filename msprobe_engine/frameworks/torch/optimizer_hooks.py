@@ -12,6 +12,9 @@ When the monitor's decision says skip (a `skip`/`stop` rule fired, or the step i
 replay), the pre-step hook sets the gradients aside: torch.optim leaves a parameter
 whose `.grad` is None untouched (weights, moments, step count), so `optimizer.step()`
 changes nothing; the post-step hook puts the gradients back. No method is replaced.
+
+A compiled optimizer step runs the hooks eagerly (`torch._dynamo.disable`): a graph break at
+its start and one at its end; with `fullgraph=True` Dynamo refuses them (docs/compile.md).
 """
 from __future__ import annotations
 
@@ -72,8 +75,10 @@ class OptimizerHooks(Handles):
         foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in owned)
         if foreign:
             monitor.warn(f"{foreign} optimizer parameters are not in the model; they are not monitored")
-        self.handles = [optimizer.register_step_pre_hook(self._pre_step),
-                        optimizer.register_step_post_hook(self._post_step)]
+        # never traced: in a compiled optimizer step (`torch.compile(optimizer.step)`) the hooks run
+        # eagerly at its start and end (a graph break each), the step's own math stays compiled
+        self.handles = [optimizer.register_step_pre_hook(torch._dynamo.disable(self._pre_step)),
+                        optimizer.register_step_post_hook(torch._dynamo.disable(self._post_step))]
         self.optimizer = optimizer
 
     def _pre_step(self, optimizer, args, kwargs) -> None:
