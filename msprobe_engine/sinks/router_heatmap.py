@@ -17,15 +17,12 @@ from pathlib import Path
 
 from tensorboard.compat.proto.event_pb2 import Event
 from tensorboard.compat.proto.summary_pb2 import Summary
-from tensorboard.compat.proto.tensor_pb2 import TensorProto
-from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
-from tensorboard.plugins.image import metadata as image_metadata
 
 from msprobe_engine.fields import at_least
 from msprobe_engine.records import StepRecord
 from msprobe_engine.sinks.base import Sink, register_sink
-from msprobe_engine.sinks.heatmap import NormHistory, enlarge, heatmap_rgb, legend, png
-from msprobe_engine.sinks.tb_layout import DT_STRING
+from msprobe_engine.sinks.heatmap import NormHistory
+from msprobe_engine.sinks.tb_heatmap import heatmap_value
 from msprobe_engine.sinks.tb_records import EventFile
 from msprobe_engine.stats import router
 
@@ -81,15 +78,10 @@ class RouterHeatmapSink(Sink):
     def _show(self, step: int, wall_time: float | None) -> None:
         values = []
         for path, history in self._history.items():
-            loads = history.matrix()
-            rgb = enlarge(heatmap_rgb(loads))
-            height, width = rgb.shape[:2]
-            tensor = TensorProto(dtype=DT_STRING, string_val=[str(width).encode(), str(height).encode(), png(rgb)],
-                                 tensor_shape=TensorShapeProto(dim=[TensorShapeProto.Dim(size=3)]))
             first, last = history.steps()
-            meta = image_metadata.create_summary_metadata(
-                f"{path}: load / mean load, experts x steps {first}..{last}", legend(history, loads))
-            values.append(Summary.Value(tag=heatmap_tag(path, first, last), metadata=meta, tensor=tensor))
+            values.append(heatmap_value(heatmap_tag(path, first, last),
+                                        f"{path}: load / mean load, experts x steps {first}..{last}",
+                                        history, history.matrix()))
         self._shown_at = self._monitored
         if values:
             self._writer.add_event(Event(step=step, wall_time=time.time() if wall_time is None else wall_time,

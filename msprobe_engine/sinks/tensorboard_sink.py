@@ -19,15 +19,15 @@ from tensorboard.compat.proto.event_pb2 import Event
 from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
 from tensorboard.compat.proto.tensor_pb2 import TensorProto
 from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
-from tensorboard.plugins.image import metadata as image_metadata
 from tensorboard.plugins.text import metadata as text_metadata
 
 from msprobe_engine.fields import at_least
 from msprobe_engine.records import StepRecord
 from msprobe_engine.sinks.base import Sink, register_sink
-from msprobe_engine.sinks.heatmap import NormHistory, enlarge, heatmap_rgb, legend, log_bins, png
+from msprobe_engine.sinks.heatmap import NormHistory, log_bins
 from msprobe_engine.sinks.layer_filter import LayerChoice, LayerFilter
 from msprobe_engine.sinks.tb_incident import incident_directory, incident_markdown, read_incident
+from msprobe_engine.sinks.tb_heatmap import heatmap_value
 from msprobe_engine.sinks.tb_layout import DT_STRING, build_layout, layout_value, parse_tag
 from msprobe_engine.sinks.tb_records import EventFile, ScalarBlock
 
@@ -132,15 +132,9 @@ class TensorBoardSink(Sink):
         for kind, history in self._history.items():
             if not history.rows:
                 continue
-            norms = history.matrix()
-            rgb = enlarge(heatmap_rgb(norms))
-            height, width = rgb.shape[:2]
-            tensor = TensorProto(dtype=DT_STRING, string_val=[str(width).encode(), str(height).encode(), png(rgb)],
-                                 tensor_shape=TensorShapeProto(dim=[TensorShapeProto.Dim(size=3)]))
             first, last = history.steps()
-            meta = image_metadata.create_summary_metadata(f"{kind} norms, layers x steps {first}..{last}",
-                                                          legend(history, norms))
-            values.append(Summary.Value(tag=heatmap_tag(kind, first, last), metadata=meta, tensor=tensor))
+            values.append(heatmap_value(heatmap_tag(kind, first, last),
+                                        f"{kind} norms, layers x steps {first}..{last}", history, history.matrix()))
         return values
 
     def _histograms(self, norms: dict[str, dict[str, float]]) -> list[Summary.Value]:
