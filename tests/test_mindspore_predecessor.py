@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.compat_helpers import CPU_NORM
+
 pytestmark = pytest.mark.slow
 
 TESTS = Path(__file__).resolve().parent
@@ -62,23 +64,7 @@ def one_step(debugger, pass_grads):
     debugger.step(grads) if pass_grads else debugger.step()
 """
 
-_THEIRS = _NET + """
-import msprobe.core.dump.data_dump.data_processor.mindspore_processor as processor
-
-
-class CpuMint:
-    def __init__(self, mint):
-        self._mint = mint
-
-    def __getattr__(self, name):
-        return getattr(self._mint, name)
-
-    @staticmethod
-    def norm(x):
-        return ops.sqrt(ops.sum(x * x))
-
-
-processor.mint = CpuMint(processor.mint)
+_THEIRS = _NET + CPU_NORM + """
 from msprobe.mindspore import PrecisionDebugger
 
 one_step(PrecisionDebugger(config_path={config!r}), pass_grads=False)
