@@ -1,5 +1,5 @@
 """Router health on a real transformers Mixtral (random init, no download): the expert loads
-add up to tokens x top-k exactly, and the collapse and dead-expert rules raise one alert each,
+add up to tokens x top-k exactly, the model-level aux loss is transformers' own, and the collapse and dead-expert rules raise one alert each,
 at the step the fault is injected, naming the layer and the experts; a clean run none."""
 from __future__ import annotations
 
@@ -18,12 +18,13 @@ ROUTER = f"model.layers.{LAYER}.mlp.gate"  # transformers 5's MixtralTopKRouter
 RULES = [{"rule": "expert_collapse"}, {"rule": "dead_experts", "steps": 3}]
 
 
-def _mixtral() -> torch.nn.Module:
+def _mixtral(aux: bool = False) -> torch.nn.Module:
+    """`aux`: transformers computes the load-balancing loss (`output_router_logits`)."""
     torch.manual_seed(0)
     config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=EXPERTS,
                                         num_experts_per_tok=TOP_K, max_position_embeddings=64,
-                                        router_aux_loss_coef=0.0)
+                                        router_aux_loss_coef=0.0, output_router_logits=aux)
     return transformers.MixtralForCausalLM(config)
 
 
@@ -41,8 +42,10 @@ def _bias_router(module: torch.nn.Module, bias: torch.Tensor) -> None:
     module.forward = forward
 
 
-def _train(tmp_path, fault=None, sinks=("jsonl",)) -> list:
-    model = _mixtral()
+def _train(tmp_path, fault=None, sinks=("jsonl",), aux_losses: list | None = None) -> list:
+    """The records of a run; `aux_losses`, when given, gets each step's aux losses as transformers
+    returned them (one per micro-batch; the model then computes them)."""
+    model = _mixtral(aux=aux_losses is not None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     monitor = TorchMonitor(model, optimizer, {"output_dir": str(tmp_path), "strict": True, "sinks": list(sinks),
                                               "alerts": RULES})
@@ -52,7 +55,10 @@ def _train(tmp_path, fault=None, sinks=("jsonl",)) -> list:
             _bias_router(model.get_submodule(ROUTER), fault)
         for _ in range(MICRO):
             tokens = torch.randint(0, 64, (BATCH, SEQ), generator=gen)
-            (model(input_ids=tokens, labels=tokens).loss / MICRO).backward()
+            out = model(input_ids=tokens, labels=tokens)
+            (out.loss / MICRO).backward()
+            if aux_losses is not None:
+                aux_losses.append(out.aux_loss.item())
         optimizer.step()
         optimizer.zero_grad()
         monitor.step_end()
@@ -65,7 +71,8 @@ def _starts(records, rule: str) -> list:
 
 
 def test_loads_add_up_to_tokens_times_top_k_and_a_clean_run_raises_nothing(tmp_path):
-    records = _train(tmp_path)
+    aux_losses: list[float] = []
+    records = _train(tmp_path, aux_losses=aux_losses)
     routers = [f"model.layers.{i}.mlp.gate" for i in range(2)]
     for record in records:
         m = record.metrics
@@ -77,6 +84,11 @@ def test_loads_add_up_to_tokens_times_top_k_and_a_clean_run_raises_nothing(tmp_p
             assert 0.0 < m[f"router/{path}/entropy"] <= 1.0
             assert 1.0 / EXPERTS < m[f"router/{path}/topk_prob"] < 1.0  # the chosen beat the average
             assert m[f"router/{path}/dead"] == sum(load == 0 for load in loads)
+        # transformers' one loss over both routers: a model-level row, the mean of the micro-batches'
+        truth = aux_losses[record.step * MICRO:(record.step + 1) * MICRO]
+        assert m["router/model/aux_loss"] == pytest.approx(sum(truth) / MICRO, rel=1e-6)
+        assert not [tag for tag in m if tag.startswith("router/model/") and tag != "router/model/aux_loss"]
+    assert len(aux_losses) == STEPS * MICRO and len(set(aux_losses)) > 1
     assert not [a for r in records for a in r.alerts]
 
 
@@ -88,6 +100,7 @@ def test_a_collapsed_router_raises_one_alert_at_that_step_naming_the_layer(tmp_p
     assert step == FAULT_STEP and alert.tag == f"router/{ROUTER}/load/3" and alert.value == 1.0
     assert not _starts(records, "dead_experts")
     assert records[FAULT_STEP].metrics[f"router/{ROUTER}/imbalance"] == pytest.approx(EXPERTS / TOP_K)
+    assert "router/model/aux_loss" not in records[0].metrics  # transformers computed none
 
 
 def test_dead_experts_raise_one_alert_after_their_idle_steps_naming_them(tmp_path):

@@ -27,6 +27,9 @@ From them, per router (`<path>` is the router's module path), the tags::
     router/<path>/z_loss        mean squared log-sum-exp of the logits
     router/<path>/dropped       token assignments dropped by the capacity (routers with one)
     router/<path>/aux_loss      the framework's load-balancing loss, unscaled (when it has one)
+
+A model-level load-balancing loss (transformers computes one over all of a model's routers) is an
+`aux_loss` row under the model's path with no load rows: it gives only `router/<model>/aux_loss`.
 """
 from __future__ import annotations
 
@@ -138,8 +141,12 @@ def router_metrics(health: Sequence[RouterHealth]) -> dict[str, float]:
     """The tags of the module docstring."""
     metrics: dict[str, float] = {}
     for h in health:
-        metrics.update({load_tag(h.path, e): float(v) for e, v in enumerate(h.loads)})
         base = f"{KIND}/{h.path}/"
+        if not h.loads.size:  # a model-level loss, no router of its own
+            if h.aux_loss is not None:
+                metrics[base + AUX_LOSS] = h.aux_loss
+            continue
+        metrics.update({load_tag(h.path, e): float(v) for e, v in enumerate(h.loads)})
         metrics.update({base + "tokens": h.tokens, base + "imbalance": h.imbalance, base + ENTROPY: h.entropy,
                         base + TOPK_PROB: h.topk_prob, base + "dead": float(h.dead.size), base + Z_LOSS: h.z_loss})
         metrics.update({base + role: value for role, value in ((DROPPED, h.dropped), (AUX_LOSS, h.aux_loss))

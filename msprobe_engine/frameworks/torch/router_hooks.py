@@ -16,6 +16,12 @@ assignments it dropped (tokens x top-k less those kept: `chosen` is then the map
 drop). The distribution is the softmax of the logits (`score="sigmoid"`: sigmoid scores,
 normalised). A framework's load-balancing loss, where it computes one, is the `aux_loss` row
 (`RouterSite.aux_key`).
+
+transformers computes its MoE models' load-balancing loss once per model, over every router's
+logits at once (`load_balancing_loss_func`, when `output_router_logits` is set): the output's
+`aux_loss`, before `router_aux_loss_coef`. It is a model-level row, `router/<model>/aux_loss`
+(`<model>`: the path of the outermost module whose config has `output_router_logits`, `model`
+for the root), read by a forward hook on that module (`ModelAuxLoss`).
 """
 from __future__ import annotations
 
@@ -31,6 +37,9 @@ from msprobe_engine.stats.table import MetricKey
 
 if TYPE_CHECKING:
     from msprobe_engine.monitor import Monitor
+
+#: the path of the model-level aux loss of a root model (`find_moe_models`)
+MODEL = "model"
 
 
 @dataclass
@@ -144,6 +153,48 @@ class RouterHooks:
         return hook
 
 
+class ModelAuxLoss:
+    """A forward hook on each transformers MoE model reading its output's `aux_loss` (a tensor when
+    the model computed one) into the model-level row `router/<path>/aux_loss`."""
+
+    def __init__(self, monitor: "Monitor", models: list[tuple[str, torch.nn.Module]]) -> None:
+        self.monitor = monitor
+        self.handles = [module.register_forward_hook(self._make_hook(path)) for path, module in models]
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def _make_hook(self, path: str):
+        monitor = self.monitor
+        key = MetricKey(router.KIND, path, router.AUX_LOSS)
+        where = f"aux loss hook of {path}"
+
+        def hook(module, args, output):
+            if not monitor.active or where in monitor.disabled or in_backward():
+                return
+            loss = getattr(output, "aux_loss", None)
+            if isinstance(loss, torch.Tensor):
+                try:
+                    monitor.add_tensors([key], [loss.detach().float()])
+                except Exception as exc:
+                    monitor.hook_failed(where, exc)
+
+        return hook
+
+
+def find_moe_models(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The outermost modules of `model` whose `config` has transformers' `output_router_logits`,
+    under their reported path (`model` for the root)."""
+    found: list[tuple[str, torch.nn.Module]] = []
+    for name, module in model.named_modules():  # parents first
+        inside = any(not outer or name.startswith(f"{outer}.") for outer, _ in found)
+        if not inside and hasattr(getattr(module, "config", None), "output_router_logits"):
+            found.append((name, module))
+    return [(name or MODEL, module) for name, module in found]
+
+
 def _logits_and_indices(args: tuple, output) -> tuple[torch.Tensor, torch.Tensor, None]:
     if not (isinstance(output, tuple) and len(output) >= 2 and not output[-1].is_floating_point()):
         raise TypeError("a router returning (router_logits, ..., router_indices) was expected, got "
@@ -163,7 +214,11 @@ def _int(module: torch.nn.Module, name: str) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
-def attach_routers(monitor: "Monitor", model: torch.nn.Module) -> list[RouterHooks]:
-    """The router hooks of `model` when `watch.routers` is on and it has transformers-style routers."""
+def attach_routers(monitor: "Monitor", model: torch.nn.Module) -> list[RouterHooks | ModelAuxLoss]:
+    """The router hooks of `model` when `watch.routers` is on and it has transformers-style routers,
+    and the hook of its model-level aux loss."""
     sites = find_routers(model) if monitor.config.watch.routers else []
-    return [RouterHooks(monitor, sites)] if sites else []
+    if not sites:
+        return []
+    models = find_moe_models(model)
+    return [RouterHooks(monitor, sites), *([ModelAuxLoss(monitor, models)] if models else [])]
