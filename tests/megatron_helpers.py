@@ -16,6 +16,10 @@ only make CUDA-only allocations land on the CPU; none of them is needed on GPUs:
    constructors check them);
 6. megatron-core 0.16.1 without Transformer Engine leaves `moe_utils.te_general_gemm`
    undefined (the MoE router's gating raises NameError); it is set to None, as 0.19 does.
+7. grouped-GEMM experts (megatron-core 0.16's `GroupedMLP`) call `grouped_gemm.ops.gmm`, a CUDA
+   kernel package: `grouped_gemm_util` gets a plain-torch `gmm` (one matmul per expert's rows);
+   `GroupedMLP.forward` asserts `config.bf16` (the kernel's only dtype), so each GroupedMLP gets
+   a copy of the config saying bf16 while the model stays float32.
 MoE models use the `allgather` token dispatcher (`alltoall` creates CUDA streams).
 `train_step` is the shape of Megatron-LM's: forward and backward over the
 micro-batches (pipeline stages exchange activations with send/recv, one
@@ -26,6 +30,7 @@ micro-batch at a time) and `finalize_model_grads`, under the re-run engine's
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import zlib
 from dataclasses import dataclass
@@ -58,6 +63,7 @@ class TinySpec:
     batch: int = 2
     experts: int = 0  # > 0: every MLP a mixture of this many experts (top-2 routing)
     capacity: float | None = None  # MoE: Megatron's moe_expert_capacity_factor (None: no capacity)
+    grouped: bool = False  # MoE: grouped-GEMM experts (GroupedMLP, megatron-core 0.16; patch 7)
     aux_loss: float = 0.0  # MoE: > 0, the coefficient of Megatron's load-balancing loss ("aux_loss")
 
 
@@ -138,11 +144,15 @@ def build_gpt(spec: TinySpec = TinySpec(), seed: int = 1234) -> GPTModel:
         persist_layer_norm=False, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, apply_rope_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
         **_moe(spec))
-    layer_spec = get_gpt_layer_local_spec(**({"num_experts": spec.experts, "moe_grouped_gemm": False}
+    if spec.grouped:
+        _plain_grouped_gemm()
+    layer_spec = get_gpt_layer_local_spec(**({"num_experts": spec.experts, "moe_grouped_gemm": spec.grouped}
                                               if spec.experts else {}))
     model = GPTModel(config, layer_spec, vocab_size=spec.vocab, max_sequence_length=spec.seq,
                      pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage())
+    if spec.grouped:
+        _grouped_on_cpu(model)
     _init_by_global_name(model, seed)
     return model
 
@@ -157,8 +167,38 @@ def _moe(spec: TinySpec) -> dict:
         if spec.aux_loss else {"moe_router_load_balancing_type": "none"}
     return {"num_moe_experts": spec.experts, "moe_router_topk": 2, **balancing,
             "moe_expert_capacity_factor": spec.capacity,
-            "moe_token_dispatcher_type": "allgather", "moe_grouped_gemm": False, "add_bias_linear": False,
+            "moe_token_dispatcher_type": "allgather", "moe_grouped_gemm": spec.grouped, "add_bias_linear": False,
             "expert_model_parallel_size": parallel_state.get_expert_model_parallel_world_size()}
+
+
+def _plain_gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bool = False) -> torch.Tensor:
+    """`grouped_gemm.ops.gmm` in plain torch: the rows of expert e (`batch_sizes[e]` of them, in
+    order) times `b[e]` (transposed with `trans_b`)."""
+    parts = a.split(batch_sizes.tolist())
+    return torch.cat([x @ (w.t() if trans_b else w) for x, w in zip(parts, b)])
+
+
+class _PlainGroupedGemm:
+    """What megatron-core reads of the `grouped_gemm` package: `ops.gmm` (patch 7)."""
+
+    class ops:
+        gmm = staticmethod(_plain_gmm)
+
+
+def _plain_grouped_gemm() -> None:
+    """Patch 7, first half: the plain-torch `gmm` (before a GroupedMLP is built: it checks)."""
+    from megatron.core.transformer.moe import grouped_gemm_util
+
+    grouped_gemm_util.grouped_gemm, grouped_gemm_util.ops = _PlainGroupedGemm, _PlainGroupedGemm.ops
+
+
+def _grouped_on_cpu(model: GPTModel) -> None:
+    """Patch 7, second half: each GroupedMLP's config saying bf16."""
+    from megatron.core.transformer.moe import experts
+
+    for module in model.modules():
+        if isinstance(module, experts.GroupedMLP):
+            module.config = dataclasses.replace(module.config, bf16=True)
 
 
 def _init_by_global_name(model: GPTModel, seed: int) -> None:
@@ -172,8 +212,20 @@ def _init_by_global_name(model: GPTModel, seed: int) -> None:
         for j, expert in enumerate(getattr(layer.mlp, "local_expert_indices", [])):
             offsets[f"decoder.layers.{i}.mlp.experts.local_experts.{j}."] = \
                 f"decoder.layers.{layer.layer_number - 1}.mlp.experts.local_experts.{expert}."
+    pieces = {}  # a GroupedMLP weight -> the global name of each local expert's piece of it
+    for layer in model.decoder.layers:
+        if hasattr(getattr(layer.mlp, "experts", None), "weight1"):
+            head = f"decoder.layers.{layer.layer_number - 1}.mlp.experts.local_experts."
+            for attr, tail in (("weight1", "linear_fc1.weight"), ("weight2", "linear_fc2.weight")):
+                pieces[id(getattr(layer.mlp.experts, attr))] = [f"{head}{e}.{tail}" for e in layer.mlp.local_expert_indices]
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if id(param) in pieces:  # expert j's flat piece, drawn by that expert's global name
+                names = pieces[id(param)]
+                for piece, expert_name in zip(param.view(len(names), -1), names):
+                    gen = torch.Generator().manual_seed(seed + zlib.crc32(expert_name.encode()))
+                    piece.copy_(torch.randn(piece.shape, generator=gen) * 0.02)
+                continue
             local = max((k for k in offsets if name.startswith(k)), key=len, default=None)
             name = offsets[local] + name[len(local):] if local else name
             shape = list(param.shape)

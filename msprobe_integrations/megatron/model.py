@@ -72,8 +72,9 @@ def unwrap_chunks(model_chunks: Any) -> list[Chunk]:
 
 
 def describe_problems(chunks: Sequence[Chunk], tensor_parallel: int, data_parallel: int,
-                      stages: int) -> list[str]:
-    """Warnings about chunks the monitor can only partly understand (never silent)."""
+                      stages: int, per_expert: set[int] | frozenset[int] = frozenset()) -> list[str]:
+    """Warnings about chunks the monitor can only partly understand (never silent). `per_expert`:
+    `id`s of expert parameters outside `experts.local_experts` that are reported per expert."""
     problems = []
     if tensor_parallel > 1 and not any(getattr(p, "tensor_model_parallel", False)
                                        for chunk in chunks for p in chunk.module.parameters()):
@@ -88,7 +89,8 @@ def describe_problems(chunks: Sequence[Chunk], tensor_parallel: int, data_parall
         if not isinstance(chunk.module, MegatronModule):
             problems.append(f"model chunk {index} ({kind}) is not a Megatron module: its parameters "
                             "carry no tensor-parallel attributes and are treated as replicated")
-        grouped = [n for n, p in chunk.module.named_parameters() if is_expert(p) and ".local_experts." not in n]
+        grouped = [n for n, p in chunk.module.named_parameters()
+                   if is_expert(p) and ".local_experts." not in n and id(p) not in per_expert]
         if grouped:
             problems.append(f"model chunk {index} ({kind}) has expert parameters outside "
                             f"experts.local_experts (grouped GEMM experts, e.g. {grouped[0]}): they are "

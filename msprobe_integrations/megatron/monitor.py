@@ -15,7 +15,7 @@ from msprobe_engine.config import ConfigSource, load_config
 from msprobe_engine.contract import Integration
 from msprobe_engine.monitor import Monitor
 from msprobe_engine.stats.table import MetricKey
-from msprobe_integrations.megatron.experts import complete_experts
+from msprobe_integrations.megatron.experts import complete_experts, grouped_weights, split_grouped
 from msprobe_integrations.megatron.model import describe_problems, num_experts, prefix_if_clashing, unwrap_chunks
 from msprobe_integrations.megatron.optim import OptimizerTap, check_optimizer, find_slots
 from msprobe_integrations.megatron.parallel import Layout, StatReducer
@@ -53,12 +53,15 @@ class MegatronMonitor(Integration):
         layout = Layout.of(chunks)
         named = [item for chunk in chunks for item in chunk.named_parameters()]
         slots, sharded, more = find_slots(optimizer, named)
+        slots, grouped_problems = split_grouped(slots, chunks, sharded)
+        more += grouped_problems
         if layout.ep_size > 1:
             layout.check_experts()
             slots = complete_experts(slots, num_experts(chunks))
             modules = dataclasses.replace(config.modules, exclude_regex=[*config.modules.exclude_regex, EXPERT_MODULES])
             config = dataclasses.replace(config, modules=modules)
-        partitioned = {name for name, p in named if getattr(p, "tensor_model_parallel", False)}
+        partitioned = {name for name, p in [*named, *((s.name, s.param) for s in slots)]
+                       if getattr(p, "tensor_model_parallel", False)}
         kwargs.setdefault("writes", config.per_rank or layout.stage_leader)
         kwargs.setdefault("backend", torch_backend)
         monitor = Monitor(config, reducer=StatReducer(layout, partitioned, sharded),
@@ -68,7 +71,7 @@ class MegatronMonitor(Integration):
         if layout.size(layout.tp_group) > 1:  # replicated activations: each measured by one TP rank
             ReplicaSplit(monitor, monitor.reducer, layout.tp_group).install()
         problems = describe_problems(chunks, layout.size(layout.tp_group), layout.size(layout.dp_group),
-                                     layout.pp_size)
+                                     layout.pp_size, per_expert=set(grouped_weights(chunks)))
         problems += prefix_if_clashing(chunks)
         for problem in problems + more:
             monitor.warn(problem)

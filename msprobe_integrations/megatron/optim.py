@@ -50,14 +50,23 @@ SUPPORTED = ("FP32Optimizer, Float16OptimizerWithFloat16Params, DistributedOptim
 
 @dataclass
 class Slot:
-    """One trainable parameter as its optimizer sees it on this rank."""
+    """One trainable parameter as its optimizer sees it on this rank; with `part` = (j, n), the
+    j-th of n equal flat pieces of it (one expert of a grouped-GEMM weight, `experts.split_grouped`)."""
     name: str
     param: torch.nn.Parameter
     main: torch.Tensor | None = None
     inner: Any = None  # the torch optimizer holding `main`'s state
+    part: tuple[int, int] | None = None
 
     def placeholder(self) -> torch.Tensor:
         return self.param.new_empty(0)
+
+    def view(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (the main tensor, its gradient or state) as this slot sees it: its part."""
+        if self.part is None:
+            return tensor
+        index, count = self.part
+        return tensor.reshape(count, -1)[index]
 
 
 def check_optimizer(optimizer: Any) -> None:
@@ -227,7 +236,7 @@ class OptimizerTap(Handles):
         if watch.param_grads:
             grads = [grad_of(s.main) if s.main is not None else None for s in self.slots]
             self.monitor.add_tensors([MetricKey("grad", s.name) for s in self.slots],
-                                     [g if g is not None else s.placeholder() for s, g in zip(self.slots, grads)])
+                                     [s.view(g) if g is not None else s.placeholder() for s, g in zip(self.slots, grads)])
         if self.update:
             mains = self._mains()
             self._before = torch._foreach_mul(mains, 1.0) if mains else []
@@ -237,7 +246,7 @@ class OptimizerTap(Handles):
         tensors: list[torch.Tensor] = []
         if self.weights:
             keys += [MetricKey("param", s.name) for s in self.slots]
-            tensors += [s.main.detach() if s.main is not None else s.placeholder() for s in self.slots]
+            tensors += [s.view(s.main.detach()) if s.main is not None else s.placeholder() for s in self.slots]
         for state in self.states:
             keys += [MetricKey("optim", s.name, state) for s in self.slots]
             tensors += [self._state(s, state) for s in self.slots]
@@ -250,11 +259,11 @@ class OptimizerTap(Handles):
         self.monitor.add_tensors(keys, tensors)
 
     def _mains(self) -> list[torch.Tensor]:
-        return [s.main.detach() for s in self.slots if s.main is not None]
+        return [s.view(s.main.detach()) for s in self.slots if s.main is not None]
 
     def _state(self, slot: Slot, name: str) -> torch.Tensor:
         if slot.main is not None:
             for key, value in slot.inner.state.get(slot.main, {}).items():
                 if STATE_NAMES.get(key) == name and isinstance(value, torch.Tensor):
-                    return value
+                    return slot.view(value)
         return slot.placeholder()
