@@ -212,19 +212,21 @@ def _init_by_global_name(model: GPTModel, seed: int) -> None:
         for j, expert in enumerate(getattr(layer.mlp, "local_expert_indices", [])):
             offsets[f"decoder.layers.{i}.mlp.experts.local_experts.{j}."] = \
                 f"decoder.layers.{layer.layer_number - 1}.mlp.experts.local_experts.{expert}."
-    pieces = {}  # a GroupedMLP weight -> the global name of each local expert's piece of it
+    pieces = {}  # a GroupedMLP weight -> its per-expert view and the global name of each local expert's piece
     for layer in model.decoder.layers:
-        if hasattr(getattr(layer.mlp, "experts", None), "weight1"):
-            head = f"decoder.layers.{layer.layer_number - 1}.mlp.experts.local_experts."
-            for attr, tail in (("weight1", "linear_fc1.weight"), ("weight2", "linear_fc2.weight")):
-                pieces[id(getattr(layer.mlp.experts, attr))] = [f"{head}{e}.{tail}" for e in layer.mlp.local_expert_indices]
+        experts = getattr(layer.mlp, "experts", None)
+        if hasattr(experts, "weight1"):
+            head, count = f"decoder.layers.{layer.layer_number - 1}.mlp.experts.local_experts.", len(layer.mlp.local_expert_indices)
+            for attr, tail, view in (("weight1", "linear_fc1.weight", (count, model.config.hidden_size, -1)),
+                                     ("weight2", "linear_fc2.weight", (count, -1, model.config.hidden_size))):
+                pieces[id(getattr(experts, attr))] = (view, [f"{head}{e}.{tail}" for e in layer.mlp.local_expert_indices])
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if id(param) in pieces:  # expert j's flat piece, drawn by that expert's global name
-                names = pieces[id(param)]
-                for piece, expert_name in zip(param.view(len(names), -1), names):
+            if id(param) in pieces:  # expert j's piece: the weight its SequentialMLP expert would draw, transposed
+                view, names = pieces[id(param)]
+                for piece, expert_name in zip(param.view(view), names):
                     gen = torch.Generator().manual_seed(seed + zlib.crc32(expert_name.encode()))
-                    piece.copy_(torch.randn(piece.shape, generator=gen) * 0.02)
+                    piece.copy_(torch.randn(piece.shape[::-1], generator=gen).t() * 0.02)
                 continue
             local = max((k for k in offsets if name.startswith(k)), key=len, default=None)
             name = offsets[local] + name[len(local):] if local else name
