@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from msprobe_engine.frameworks.torch.module_hooks import in_backward
+from msprobe_engine.handles import Handles
 from msprobe_engine.stats import router
 from msprobe_engine.stats.table import MetricKey
 
@@ -119,7 +120,7 @@ def router_rows(site: RouterSite, logits: torch.Tensor, chosen: torch.Tensor) ->
     return rows
 
 
-class RouterHooks:
+class RouterHooks(Handles):
     """Forward hooks on routers that return their logits (and chosen experts)."""
 
     def __init__(self, monitor: "Monitor", sites: list[RouterSite]) -> None:
@@ -127,11 +128,6 @@ class RouterHooks:
         self.sites = sites
         self.handles = [site.module.register_forward_hook(self._make_hook(site)) for site in sites
                         if site.read is not None]
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
 
     def _make_hook(self, site: RouterSite):
         monitor = self.monitor
@@ -153,18 +149,13 @@ class RouterHooks:
         return hook
 
 
-class ModelAuxLoss:
+class ModelAuxLoss(Handles):
     """A forward hook on each transformers MoE model reading its output's `aux_loss` (a tensor when
     the model computed one) into the model-level row `router/<path>/aux_loss`."""
 
     def __init__(self, monitor: "Monitor", models: list[tuple[str, torch.nn.Module]]) -> None:
         self.monitor = monitor
         self.handles = [module.register_forward_hook(self._make_hook(path)) for path, module in models]
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
 
     def _make_hook(self, path: str):
         monitor = self.monitor
