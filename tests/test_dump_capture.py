@@ -244,3 +244,59 @@ def test_risk_level_picks_apis_as_the_predecessor(tmp_path, config, names):
         torch.tanh(F.linear(x.reshape(1, 6), w))
 
     assert list(_run(tmp_path, run, level="L1", **config)) == names
+
+
+class ReadsItsOutput(nn.Module):
+    """Returns `y`, which it reads again itself (``y * 3``), and `h`, read only by itself (a pooler's input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = self.fc(x)
+        h = y * 2
+        return y, y * 3, h, h.mean(0)
+
+
+def test_a_module_s_backward_input_is_the_gradient_at_its_boundary(tmp_path):
+    """As torch's full backward hook gives it: without what the module's own reads of an output
+    sent back to it (None when nothing came from outside)."""
+    torch.manual_seed(0)
+    model, x = nn.ModuleDict({"m": ReadsItsOutput()}), torch.randn(3, 4)
+
+    def loss() -> torch.Tensor:
+        y, y3, _, pooled = model["m"](x)
+        return (y * torch.arange(4.0)).sum() + y3.sum() + pooled.sum()
+
+    hooked: list = []
+    handle = model["m"].register_full_backward_hook(lambda m, gi, go: hooked.extend(go))
+    loss().backward()
+    handle.remove()
+    data = _run(tmp_path, lambda: loss().backward(), model, level="L0", task="tensor")
+    rank = load_dump(tmp_path)[(0, None)]
+    recorded = data["Module.m.ReadsItsOutput.backward.0"]["input"]
+    assert recorded[2] is None and hooked[2] is None
+    for i in (0, 1, 3):
+        got = torch.load(rank.path / "dump_tensor_data" / recorded[i]["data_name"], weights_only=True)
+        torch.testing.assert_close(got, hooked[i])  # the total less the reads: equal but for rounding
+
+
+def test_an_in_place_call_on_a_module_output_sends_one_gradient_at_mix(tmp_path):
+    """``h = fc(x); h += r``: the predecessor's module hook makes h a view, whose in-place call has
+    one gradient (h's); at L1 (no module hooks) both inputs get theirs."""
+    torch.manual_seed(0)
+    fc, other, x = nn.Linear(4, 4), nn.Linear(4, 4), torch.randn(2, 4)
+    model = nn.ModuleDict({"fc": fc, "other": other})
+
+    def step() -> None:
+        h = fc(x)
+        h += other(x)
+        h.sum().backward()
+
+    counts = {}
+    for level in ("mix", "L1"):
+        entry = _run(tmp_path / level, step, model, level=level)["Tensor.__iadd__.0.backward"]
+        counts[level] = len(entry["output"])
+        assert entry["output"][0] == entry["input"][0]
+    assert counts == {"mix": 1, "L1": 2}

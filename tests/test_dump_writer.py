@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from dump_helpers import train_tiny_gpt
 from msprobe_engine.dump import PrecisionDebugger, iter_dump_tensors, load_dump
@@ -63,9 +64,9 @@ def _gated(debugger: PrecisionDebugger) -> threading.Event:
     return gate
 
 
-@pytest.mark.parametrize("task", ["statistics", "tensor"])
-def test_a_full_queue_drops_whole_steps_and_counts_them(tmp_path, task):
-    debugger = PrecisionDebugger({"task": task, "dump_path": str(tmp_path), "level": "L0", "strict": True,
+def test_a_full_queue_drops_whole_steps_and_counts_them(tmp_path):
+    """Tensor jobs that do not fit drop their step (its commit is then never queued)."""
+    debugger = PrecisionDebugger({"task": "tensor", "dump_path": str(tmp_path), "level": "L0", "strict": True,
                                   "queue_size": 1, "when_full": "drop"})
     gate = _gated(debugger)
     train_tiny_gpt(3, debugger)
@@ -74,6 +75,25 @@ def test_a_full_queue_drops_whole_steps_and_counts_them(tmp_path, task):
     assert debugger.dropped_steps >= 2 and debugger.steps_written + debugger.dropped_steps == 3
     assert len(list(tmp_path.glob("step*/proc*"))) == debugger.steps_written
     assert not any(p.name.endswith(".partial") for p in tmp_path.glob("step*/.*"))
+
+
+@pytest.mark.parametrize("end", ["step", "close"])
+def test_a_full_queue_never_drops_the_job_that_commits_a_step(tmp_path, end):
+    """`when_full: drop` with the queue full when the step ends (by `step()`, or by `close()` on a
+    step still open): the commit waits for room (it was dropped, and the step with it)."""
+    debugger = PrecisionDebugger({"dump_path": str(tmp_path), "level": "L1", "queue_size": 1, "when_full": "drop"})
+    model = torch.nn.Linear(4, 2)
+    debugger.start(model)
+    model(torch.randn(3, 4)).sum().backward()
+    debugger.stop()
+    gate = _gated(debugger)
+    debugger.writer.submit(lambda: None, wait=True)  # the one queue slot taken
+    threading.Timer(0.3, gate.set).start()
+    if end == "step":
+        debugger.step()
+    debugger.close()
+    assert (debugger.steps_written, debugger.dropped_steps) == (1, 0)
+    assert sorted(load_dump(tmp_path)) == [(0, None)]
 
 
 def test_wait_policy_keeps_every_step_and_a_rerun_replaces_it(tmp_path):

@@ -30,17 +30,9 @@ EXPLAINED = [
     ("mha_lm", r"Module\.layers\.\d\.attn\.MultiheadAttention\.backward\.0", r"output\.[012]"),
     # that changed computation moves its gradients, hence the optimizer state, in the last bits:
     # the Min of Adam's tiny second moments differs relatively (see `_tiny_min`)
-    # a module's backward input includes what its own later reads of an output send back, where
-    # torch's full backward hook gives only what arrives from outside (docs/dump.md, differences):
-    # ResNetModel's last_hidden_state (read by its pooler), an Identity returning its input,
-    # Mixtral's router logits, T5's position_bias
-    ("resnet", r"Module\.resnet\.ResNetModel\.backward\.0", r"input\.0"),
+    # an Identity returning its input: torch's hook gives the gradient through its returned
+    # copy, ours (the same tensor) the input's whole gradient, read by the block's other branch too
     ("resnet", r"Module\.resnet\.encoder\.stages\.\d\.layers\.0\.shortcut\.Identity\.backward\.0", r"(input|output)\.0"),
-    ("mixtral", r"Module\.model\.layers\.0\.mlp\.gate\.MixtralTopKRouter\.backward\.0", r"input\.0"),
-    ("t5", r"Module\.(en|de)coder\.block\.0\.(layer\.0\.(SelfAttention\.T5Attention|T5LayerSelfAttention)|T5Block)\.backward\.0",
-     r"input\.1"),
-    # `hidden_state += residual`: its backward entry sends one gradient, ours one per input
-    ("resnet", r"Tensor\.__iadd__\.\d+\.backward", r"output\.1"),
     # the router's one-hot index buffer is torch.empty memory before __setitem__ writes it
     ("mixtral", r"Tensor\.__setitem__\.0\.forward", r"input_args\.0"),
     # where(mask, x, finfo.min) and the mask made of it: its float32 Mean/Norm overflow to

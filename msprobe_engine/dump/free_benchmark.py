@@ -77,4 +77,4 @@ class FreeBenchmarkRecorder(DumpRecorder):
         rows = self.judge.rows(step, list(compared), ratios)
         if rows:
             self.writer.submit(partial(write_results, self.config.dump_path, step, self.rank, rows, *header),
-                               "free_benchmark results")
+                               "free_benchmark results", wait=True)

@@ -46,7 +46,7 @@ class GradProbeRecorder(DumpRecorder):
                 raise
             return
         if rows is not None:
-            self.writer.submit(partial(self._write, step, rows), "grad_probe step")
+            self.writer.submit(partial(self._write, step, rows), "grad_probe step", wait=True)
 
     def _write(self, step: int, rows: GradRows) -> None:
         write_grad_step(self.config.dump_path, self.rank, step, self.options.grad_level, self.options.bounds, rows)

@@ -224,8 +224,10 @@ class DumpSession:
             else:
                 meta = {"task": self.config.task, "level": self.config.level, "framework": self.framework,
                         "dump_data_dir": None}
-                if not self.writer.submit(partial(self._write_step, files, meta, data, self.current_step), "dump step"):
-                    self._drop(files, "the writer queue was full")
+                # the step's last job waits for room whatever the policy: dropping it would lose
+                # a step whose tensor jobs are all queued (and, at close, the run's last step)
+                self.writer.submit(partial(self._write_step, files, meta, data, self.current_step), "dump step",
+                                   wait=True)
         self._files, self._incomplete, self._collected = None, False, False
 
     def _drop(self, files: StepFiles, reason: str, step: int | None = None, detail: str = "") -> None:

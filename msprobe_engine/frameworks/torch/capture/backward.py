@@ -10,7 +10,12 @@ BackwardHookFunction is a view and is being modified inplace"). Here nothing is 
 - before the call, the gradient edges of the inputs are noted together with the autograd
   sequence number; after it, the nodes the call created (sequence numbers in that window)
   are walked from the outputs, and a hook goes on every node edge that points at an input.
-  The gradients on those edges, summed per input, are what flows into it through this call.
+  The gradients on those edges, summed per input, are what flows into it through this call;
+- an output the call itself read again (``return y, y * 3``; a module's last hidden state read
+  by its own pooler) gets, on its tensor hook, the gradient of those reads as well: the reads'
+  edges are hooked the same way and their sum is taken off, leaving what arrives at the call's
+  boundary from outside, as torch's full backward hook gives it (None when the gradient is the
+  very tensor the call's one read sent: nothing came from outside).
 
 Hooks return None: gradients and training numbers are untouched.
 
@@ -75,6 +80,8 @@ class GradCall:
     def __init__(self, tag: object, n_outputs: int, n_inputs: int, done: Done) -> None:
         self.tag = tag
         self.output_grads: list[torch.Tensor | None] = [None] * n_outputs
+        #: per output, the gradient the call's own later reads of it sent back (None: no read)
+        self.read_grads: list[torch.Tensor | None] = [None] * n_outputs
         self.input_grads: list[torch.Tensor | None] = [None] * n_inputs
         self.expected = 0
         self.finished = False
@@ -98,23 +105,26 @@ class GradCall:
             self.finish()
 
     def _add_input(self, slot: int, grad: torch.Tensor | None) -> None:
-        if grad is None:
-            return
-        current = self.input_grads[slot]
-        self.input_grads[slot] = grad if current is None else current + grad
+        self.input_grads[slot] = _plus(self.input_grads[slot], grad)
 
     def output_hook(self, index: int, feeds: Sequence[int]):
         def hook(grad: torch.Tensor) -> None:
             with self._lock:
                 if self.finished:
                     return
+                read = self.read_grads[index]  # the call's own reads ran first: they come later in the graph
+                if read is not None:
+                    # the very tensor a read sent: nothing arrived from outside (None, as torch's hook gives)
+                    grad = None if grad is read else grad - read
                 self.output_grads[index] = grad
                 for slot in feeds:  # the output is an input returned as it is
                     self._add_input(slot, grad)
                 self._arrived()
         return hook
 
-    def node_hook(self, targets: list[tuple[int, list[int]]]):
+    def node_hook(self, targets: list[tuple[int, list[int]]], reads: list[tuple[int, list[int]]]):
+        """A hook on one of the call's nodes: `targets` (edge index, input slots) feed inputs,
+        `reads` (edge index, output positions) are the call's own reads of its outputs."""
         def hook(grad_inputs: tuple, grad_outputs: tuple) -> None:
             with self._lock:
                 if self.finished:
@@ -122,6 +132,9 @@ class GradCall:
                 for index, slots in targets:
                     for slot in slots:
                         self._add_input(slot, grad_inputs[index])
+                for index, positions in reads:
+                    for position in positions:
+                        self.read_grads[position] = _plus(self.read_grads[position], grad_inputs[index])
                 self._arrived()
         return hook
 
@@ -144,20 +157,23 @@ def after_call(edges: CallEdges, outputs: Sequence[torch.Tensor], tag: object, d
     call = GradCall(tag, len(outputs), edges.count, done)
     call.rewritten = any(edges.versions.get(id(t), t._version) != t._version for t in outputs)
     call.integral = edges.integral
+    produced: dict[tuple, list[int]] = {}  # output edge -> its positions
     for index, tensor in wanted:
         edge = get_gradient_edge(tensor)
+        produced.setdefault((edge.node, edge.output_nr), []).append(index)
         feeds = edges.edges.get((edge.node, edge.output_nr), [])
         call._handles.append(tensor.register_hook(call.output_hook(index, feeds)))
-    if edges.start is not None and edges.edges:
+    if edges.start is not None:
         end = _sequence_nr()
-        for node, targets in _input_edges(edges, [t.grad_fn for _, t in wanted], end).items():
-            call._handles.append(node.register_hook(call.node_hook(targets)))
+        for node, (targets, reads) in _call_edges(edges, produced, [t.grad_fn for _, t in wanted], end).items():
+            call._handles.append(node.register_hook(call.node_hook(targets, reads)))
     call.expected = len(call._handles)
     return call
 
 
-def _input_edges(edges: CallEdges, roots: list, end: int) -> dict:
-    """Nodes created by the call (sequence number in [start, end)) with edges to the inputs."""
+def _call_edges(edges: CallEdges, produced: dict[tuple, list[int]], roots: list, end: int) -> dict:
+    """Nodes created by the call (sequence number in [start, end)) with edges to its inputs or
+    to its outputs: node -> ([(edge index, input slots)], [(edge index, output positions)])."""
     found: dict = {}
     seen = {id(r) for r in roots if r is not None}
     stack = [r for r in roots if r is not None]
@@ -168,13 +184,23 @@ def _input_edges(edges: CallEdges, roots: list, end: int) -> dict:
         for index, (child, output_nr) in enumerate(node.next_functions):
             if child is None:
                 continue
+            positions = produced.get((child, output_nr))
+            if positions is not None:
+                found.setdefault(node, ([], []))[1].append((index, positions))
             slots = edges.edges.get((child, output_nr))
             if slots is not None:
-                found.setdefault(node, []).append((index, slots))
+                found.setdefault(node, ([], []))[0].append((index, slots))
             elif id(child) not in seen:
                 seen.add(id(child))
                 stack.append(child)
     return found
+
+
+def _plus(total: torch.Tensor | None, grad: torch.Tensor | None) -> torch.Tensor | None:
+    """`total` + `grad`, either of them None (no gradient yet, none on that edge)."""
+    if grad is None:
+        return total
+    return grad if total is None else total + grad
 
 
 class Rewrites:
@@ -192,10 +218,13 @@ class Rewrites:
                 known = self._watched[id(tensor)] = (weakref.ref(tensor), [])
             known[1].append(call)
 
-    def written(self, tensors: Iterable[torch.Tensor]) -> None:
-        """`tensors` are about to be written in place."""
+    def written(self, tensors: Iterable[torch.Tensor]) -> bool:
+        """`tensors` are about to be written in place; whether one of them is a watched output."""
+        hit = False
         for tensor in tensors:
             known = self._watched.get(id(tensor))
             if known is not None and known[0]() is tensor:
+                hit = True
                 for call in known[1]:
                     call.rewritten = True
+        return hit

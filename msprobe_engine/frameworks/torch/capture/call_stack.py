@@ -6,6 +6,11 @@ has the same callers, as they all wait for it. So the walk stops at the first su
 the new `StackNode`s hang under its chain. That holds for plain functions only: a generator or
 coroutine frame may have been resumed from elsewhere since, so it never ends a walk.
 
+A frame's position is read as its bytecode offset (``f_lasti``): its line (``f_lineno``) costs
+a scan of the function's line table, tens of microseconds in a long function such as torch's
+optimizers' loops, so lines are looked up only for the frames a stack lists, once per (code,
+offset), from a cache kept across steps.
+
 The frames of the last walk are held (strong references, to recognise them) until the next
 walk or `clear`; every other frame is released as usual.
 """
@@ -24,10 +29,16 @@ PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _RESUMABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
 
 
+#: most (code, offset) -> line pairs cached (a run making code objects endlessly starts anew)
+MAX_LINES = 1 << 16
+
+
 class CallStacks:
     """`stack()`: the caller's stack, innermost first, without this package's frames."""
 
     def __init__(self) -> None:
+        #: (id(code), offset) -> (code, its line there): the code is held, so its id stays its own
+        self._lines: dict[tuple[int, int], tuple[Any, int]] = {}
         self.clear()
 
     def clear(self) -> None:
@@ -43,20 +54,31 @@ class CallStacks:
         node, depth = None, 0
         frame = sys._getframe(1)
         while frame is not None:
-            line = frame.f_lineno
+            offset = frame.f_lasti
             seen = known.get(id(frame))
-            if seen is not None and seen[0] is frame and seen[1] == line and not frame.f_code.co_flags & _RESUMABLE:
+            if seen is not None and seen[0] is frame and seen[1] == offset and not frame.f_code.co_flags & _RESUMABLE:
                 node, depth = seen[2], seen[3] + 1
                 break
-            walked.append((frame, line))
+            walked.append((frame, offset))
             frame = frame.f_back
         for stale in chain[depth:]:
             del known[stale]
         del chain[depth:]
-        for frame, line in reversed(walked):
+        for frame, offset in reversed(walked):
             code = frame.f_code
             if not code.co_filename.startswith(PACKAGE_DIR):
-                node = StackNode((code.co_filename, line, code.co_name), node)
-            known[id(frame)] = (frame, line, node, len(chain))
+                node = StackNode((code.co_filename, self._line(frame, code, offset), code.co_name), node)
+            known[id(frame)] = (frame, offset, node, len(chain))
             chain.append(id(frame))
         return node
+
+    def _line(self, frame: Any, code: Any, offset: int) -> int:
+        """The line `frame` (running `code`) is at, bytecode `offset`."""
+        cached = self._lines.get((id(code), offset))
+        if cached is not None and cached[0] is code:
+            return cached[1]
+        if len(self._lines) >= MAX_LINES:
+            self._lines.clear()
+        line = frame.f_lineno
+        self._lines[(id(code), offset)] = (code, line)
+        return line

@@ -69,7 +69,7 @@ class DebugSave:
         host = self.stats.to_host()
         entries = {name: _resolve(skeleton) for name, skeleton in self.entries.items()}
         target = self.dump_path / f"step{step}" / rank_dir_name(rank, self.legacy)
-        self.writer.submit(partial(_write, target, self.task, entries, host, self.copies), "debug.json")
+        self.writer.submit(partial(_write, target, self.task, entries, host, self.copies), "debug.json", wait=True)
         self.stats.reset()
         self.entries, self.counts, self.copies = {}, {}, []
 

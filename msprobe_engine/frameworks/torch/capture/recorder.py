@@ -51,7 +51,8 @@ TensorItems = list[tuple[TensorSlot, torch.Tensor]]
 
 class _Call:
     """One module or API call being recorded."""
-    __slots__ = ("module", "key", "forward", "backward", "want", "keep", "parent", "inputs", "edges", "frames")
+    __slots__ = ("module", "key", "forward", "backward", "want", "keep", "parent", "inputs", "edges", "frames",
+                 "onto_output")
 
     def __init__(self, module: Any, key: str, forward: str, backward: str, want: Want, keep: bool,
                  parent: str | None) -> None:
@@ -60,6 +61,8 @@ class _Call:
         self.inputs: tuple[Any, Any] | None = None
         self.edges = None
         self.frames: StackNode | None = None
+        #: an in-place API call writing into a module's output (see `Recorder._api_backward_done`)
+        self.onto_output = False
 
 
 def _is_tensor(value: Any) -> bool:
@@ -384,7 +387,7 @@ class Recorder(DumpRecorder):
             if writes:
                 written = written_tensors(info, args, kwargs)
                 self.stats.protect(written)
-                self._rewrites.written(written)
+                call.onto_output = self._rewrites.written(written)
         start = sequence_nr() if call is not None and call.want.backward else None
         output = func(*args, **kwargs)
         if call is not None:
@@ -473,7 +476,10 @@ class Recorder(DumpRecorder):
                 if self.sel.inputs:
                     entry["input"] = self._grad_slots(list(grad_outputs), f"{call.backward}.input")
                 if self.sel.outputs:
-                    entry["output"] = self._grad_slots(list(grad_inputs), f"{call.backward}.output")
+                    # ``h = block(x); h += r``: the predecessor's module hook returns h as a view, so
+                    # the in-place call's node is the view's, with one gradient (h's, unchanged)
+                    sent = grad_outputs[:1] if call.onto_output else grad_inputs
+                    entry["output"] = self._grad_slots(list(sent), f"{call.backward}.output")
                 self._add_entry(call.backward, entry, _backward_name(call.parent), None)
             self._flush_after_backward()
 
