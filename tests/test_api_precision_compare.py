@@ -1,4 +1,4 @@
-"""`api_precision_compare`: two devices' run_ut details compared, against the predecessor's own tool.
+"""`api-precision-compare` (also `api_precision_compare`): two devices' run_ut details compared, against the predecessor's own tool.
 
 The device under test is a GELU computed through float16 (`precheck_helpers.lossy_gelu`), the
 reference the exact one: each runs our run_ut on the same dump. The predecessor's
@@ -109,3 +109,17 @@ def test_a_file_that_is_not_a_details_file_is_named(tmp_path):
     bad.write_text("API Name,DEVICE Dtype\nx,y\n", encoding="utf-8")
     with pytest.raises(ValueError, match=r"bad\.csv: not a pre-check details file: missing column\(s\) 小值域错误占比"):
         read_details(bad)
+
+
+def test_the_verb_is_api_precision_compare_and_its_predecessor_spelling_too(tmp_path, capsys):
+    device = [_row("Torch.mm.0.forward.output.0", 均方根误差="0.0013"), _row("Torch.add.0.forward.output.0")]
+    reference = [_row(r["API Name"]) for r in device]
+    npu, gpu = _write(tmp_path / "npu.csv", device), _write(tmp_path / "gpu.csv", reference)
+    results, details = compare_details(device, reference)
+    for verb in ("api-precision-compare", "api_precision_compare"):
+        out = tmp_path / verb
+        assert main([verb, "-npu", str(npu), "-gpu", str(gpu), "-o", str(out)]) == 1  # an error found: exit 1
+        assert "1 error(s): Torch.mm.0" in capsys.readouterr().out
+        (result,) = out.glob("api_precision_compare_result_*.csv")
+        (detail,) = out.glob("api_precision_compare_details_*.csv")
+        assert _rows(result)[1:] == results and _rows(detail)[1:] == details
