@@ -23,6 +23,8 @@ class Verb(NamedTuple):
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+    #: other names of the verb (the predecessor's spelling)
+    aliases: tuple[str, ...] = ()
 
 
 def _write_json(obj: Any, target: str) -> None:
@@ -394,9 +396,10 @@ VERBS: dict[str, Verb] = {
     "config-check": Verb("what differs between two runs: Python, packages, numerics env vars, config, "
                          "data-order and weight fingerprints (first difference first)",
                          config_check.arguments, config_check.run),
-    "api_precision_compare": Verb("two devices' run_ut details compared (the predecessor's -npu/-gpu tool): "
-                                  "which APIs are worse on the device than on the reference",
-                                  precision_compare.arguments, precision_compare.run),
+    "api-precision-compare": Verb("two devices' run_ut details compared (the predecessor's -npu/-gpu tool, "
+                                  "also named api_precision_compare): which APIs are worse on the device than "
+                                  "on the reference", precision_compare.arguments, precision_compare.run,
+                                  aliases=("api_precision_compare",)),
 }
 
 
@@ -407,7 +410,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="msprobe-engine", description=__doc__.splitlines()[0], parents=[debug])
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     for name, verb in VERBS.items():
-        verb.add_arguments(sub.add_parser(name, help=verb.help, description=verb.help, parents=[debug]))
+        verb_parser = sub.add_parser(name, aliases=list(verb.aliases), help=verb.help, description=verb.help,
+                                     parents=[debug])
+        verb.add_arguments(verb_parser)
+        verb_parser.set_defaults(verb=name)  # called by an alias: still this verb
     return parser
 
 

@@ -1,4 +1,4 @@
-"""`api_precision_compare`: two devices' run_ut details compared, against the predecessor's own tool.
+"""`api-precision-compare` (also `api_precision_compare`): two devices' run_ut details compared, against the predecessor's own tool.
 
 The device under test is a GELU computed through float16 (`precheck_helpers.lossy_gelu`), the
 reference the exact one: each runs our run_ut on the same dump. The predecessor's
@@ -39,29 +39,6 @@ def details(tmp_path_factory):
     return device, reference
 
 
-@pytest.mark.slow
-def test_the_same_csvs_as_the_predecessors_tool(details, tmp_path, capsys):
-    device, reference = details
-    assert main(["api_precision_compare", "-npu", str(device), "-gpu", str(reference), "-o", str(tmp_path / "ours")]) == 1
-    assert "1 error(s): Functional.gelu.0" in capsys.readouterr().out
-    run_msprobe("api_precision_compare", "-npu", str(device), "-gpu", str(reference), "-o", str(tmp_path / "theirs"))
-    for prefix, header in (("api_precision_compare_result_", RESULT_COLUMNS),
-                           ("api_precision_compare_details_", DETAIL_COLUMNS)):
-        (ours,) = (tmp_path / "ours").glob(f"{prefix}*.csv")
-        (theirs,) = (tmp_path / "theirs").glob(f"{prefix}*.csv")
-        assert ours.read_bytes()[:3] == theirs.read_bytes()[:3] == b"\xef\xbb\xbf"
-        our_rows, their_rows = _rows(ours), _rows(theirs)
-        assert our_rows[0] == their_rows[0] == list(header)
-        assert len(their_rows) > 6
-        for ours_row, theirs_row in zip(our_rows, their_rows):
-            assert ours_row == theirs_row
-        assert len(our_rows) == len(their_rows)
-        assert ours.read_bytes() == theirs.read_bytes()
-    results = {row[0]: row[1:3] for row in _rows(ours.with_name(ours.name.replace("details", "result")))[1:]}
-    assert results.pop("Functional.gelu.0") == ["error", "error"]
-    assert set(map(tuple, results.values())) == {("pass", "pass")}
-
-
 def _row(name: str, dtype: str = "torch.float32", **values: str) -> dict[str, str]:
     row = {"API Name": name, "Bench Dtype": "torch.float64", "DEVICE Dtype": dtype, "Shape": "(2,)"}
     row.update(dict.fromkeys(("小值域错误占比", "均方根误差", "相对误差最大值", "相对误差平均值", "误差均衡性"), "0.001"))
@@ -79,29 +56,53 @@ def _write(path: Path, rows: list[dict[str, str]]) -> Path:
     return path
 
 
+#: rows built for each branch of the judgement (device side), and what each gets (API, forward, backward)
+BRANCHES = [("Torch.mm.0.forward.output.0", {"均方根误差": "0.0013"}),    # ratio 1.3: above mm's 1.2
+            ("Torch.add.0.forward.output.0", {"均方根误差": "0.0013"}),   # below the default 2
+            ("Torch.add.0.backward.output.0", {"均方根误差": "inf"}),     # inf on one side only
+            ("Torch.argmax.0.forward.output.0", {"DEVICE Dtype": "torch.int64", "二进制一致错误率": "0.5"}),
+            ("Torch.double.0.forward.output.0", {"DEVICE Dtype": "torch.float64"}),
+            ("Torch.bad.name", {}),
+            ("Torch.gone.0.forward.output.0", {})]  # the reference lacks it
+JUDGED = {"Torch.mm.0": ["error", " "], "Torch.add.0": ["pass", "error"], "Torch.argmax.0": ["error", " "],
+          "Torch.bad.name": ["SKIP", "SKIP"], "Torch.double.0": ["SKIP", "SKIP"]}
+
+
 @pytest.mark.slow
-def test_judging_rows_as_the_predecessor_does(tmp_path):
-    device = [_row("Torch.mm.0.forward.output.0", 均方根误差="0.0013"),    # ratio 1.3: above mm's 1.2
-              _row("Torch.add.0.forward.output.0", 均方根误差="0.0013"),   # below the default 2
-              _row("Torch.add.0.backward.output.0", 均方根误差="inf"),     # inf on one side only
-              _row("Torch.argmax.0.forward.output.0", "torch.int64", 二进制一致错误率="0.5"),
-              _row("Torch.double.0.forward.output.0", "torch.float64"),
-              _row("Torch.bad.name"),
-              _row("Torch.gone.0.forward.output.0")]
-    reference = [_row(r["API Name"]) for r in device[:-1]]
-    results, details = compare_details(device, reference)
-    assert [r[:3] for r in results] == [["Torch.mm.0", "error", " "], ["Torch.add.0", "pass", "error"],
-                                        ["Torch.argmax.0", "error", " "], ["Torch.bad.name", "SKIP", "SKIP"],
-                                        ["Torch.double.0", "SKIP", "SKIP"]]
-    assert details[0][3:5] == ["1.30000000000000", "error"] and details[0][-2] == "标杆比对法"
-    assert details[2][3:5] == ["nan", "error"] and "inf或nan不一致" in details[2][-1]
-    assert [d[0] for d in details] == [r["API Name"] for r in device[:-1]]  # the row the reference lacks: left out
-    npu, gpu = _write(tmp_path / "npu.csv", device), _write(tmp_path / "gpu.csv", reference)
-    run_msprobe("api_precision_compare", "-npu", str(npu), "-gpu", str(gpu), "-o", str(tmp_path / "theirs"))
-    (theirs,) = (tmp_path / "theirs").glob("api_precision_compare_result_*.csv")
-    assert _rows(theirs)[1:] == results
-    (theirs,) = (tmp_path / "theirs").glob("api_precision_compare_details_*.csv")
-    assert _rows(theirs)[1:] == details
+def test_the_same_csvs_as_the_predecessors_tool(details, tmp_path, capsys):
+    """Two real run_ut reports, and the rows built for each branch, in one pair of files: one run of
+    the predecessor's tool (its start-up is most of the time)."""
+    real_device, real_reference = (read_details(path) for path in details)
+    header = list(real_device[0])
+    built = [{**dict.fromkeys(header, " "), **_row(name, **values)} for name, values in BRANCHES]
+    device = _write(tmp_path / "npu.csv", real_device + built)
+    reference = _write(tmp_path / "gpu.csv", real_reference + [{**dict.fromkeys(header, " "), **_row(name)}
+                                                               for name, _ in BRANCHES[:-1]])
+    assert main(["api_precision_compare", "-npu", str(device), "-gpu", str(reference), "-o", str(tmp_path / "ours")]) == 1
+    assert "error(s): Functional.gelu.0" in capsys.readouterr().out
+    run_msprobe("api_precision_compare", "-npu", str(device), "-gpu", str(reference), "-o", str(tmp_path / "theirs"))
+    for prefix, header_ in (("api_precision_compare_result_", RESULT_COLUMNS),
+                            ("api_precision_compare_details_", DETAIL_COLUMNS)):
+        (ours,) = (tmp_path / "ours").glob(f"{prefix}*.csv")
+        (theirs,) = (tmp_path / "theirs").glob(f"{prefix}*.csv")
+        assert ours.read_bytes()[:3] == theirs.read_bytes()[:3] == b"\xef\xbb\xbf"
+        our_rows, their_rows = _rows(ours), _rows(theirs)
+        assert our_rows[0] == their_rows[0] == list(header_)
+        assert len(their_rows) > 6
+        for ours_row, theirs_row in zip(our_rows, their_rows):
+            assert ours_row == theirs_row
+        assert len(our_rows) == len(their_rows)
+        assert ours.read_bytes() == theirs.read_bytes()
+    details_rows = {row[0]: row for row in _rows(ours)[1:]}
+    assert details_rows["Torch.mm.0.forward.output.0"][3:5] == ["1.30000000000000", "error"]
+    assert details_rows["Torch.mm.0.forward.output.0"][-2] == "标杆比对法"
+    assert details_rows["Torch.add.0.backward.output.0"][3:5] == ["nan", "error"]
+    assert "inf或nan不一致" in details_rows["Torch.add.0.backward.output.0"][-1]
+    assert "Torch.gone.0.forward.output.0" not in details_rows  # the row the reference lacks: left out
+    results = {row[0]: row[1:3] for row in _rows(ours.with_name(ours.name.replace("details", "result")))[1:]}
+    assert {name: results.pop(name) for name in JUDGED} == JUDGED
+    assert results.pop("Functional.gelu.0") == ["error", "error"]
+    assert set(map(tuple, results.values())) == {("pass", "pass")}
 
 
 def test_a_file_that_is_not_a_details_file_is_named(tmp_path):
@@ -109,3 +110,17 @@ def test_a_file_that_is_not_a_details_file_is_named(tmp_path):
     bad.write_text("API Name,DEVICE Dtype\nx,y\n", encoding="utf-8")
     with pytest.raises(ValueError, match=r"bad\.csv: not a pre-check details file: missing column\(s\) 小值域错误占比"):
         read_details(bad)
+
+
+def test_the_verb_is_api_precision_compare_and_its_predecessor_spelling_too(tmp_path, capsys):
+    device = [_row("Torch.mm.0.forward.output.0", 均方根误差="0.0013"), _row("Torch.add.0.forward.output.0")]
+    reference = [_row(r["API Name"]) for r in device]
+    npu, gpu = _write(tmp_path / "npu.csv", device), _write(tmp_path / "gpu.csv", reference)
+    results, details = compare_details(device, reference)
+    for verb in ("api-precision-compare", "api_precision_compare"):
+        out = tmp_path / verb
+        assert main([verb, "-npu", str(npu), "-gpu", str(gpu), "-o", str(out)]) == 1  # an error found: exit 1
+        assert "1 error(s): Torch.mm.0" in capsys.readouterr().out
+        (result,) = out.glob("api_precision_compare_result_*.csv")
+        (detail,) = out.glob("api_precision_compare_details_*.csv")
+        assert _rows(result)[1:] == results and _rows(detail)[1:] == details

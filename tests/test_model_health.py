@@ -1,6 +1,6 @@
-"""Model-health signals (`watch.health`) on a transformers GPT-2 (eager attention), each against
-the same quantity computed here by other means; off by default, and the losses bitwise the
-same with every signal on."""
+"""Model-health signals (`watch.health`, one registered file each) on a transformers GPT-2 (eager
+attention), each against the same quantity computed here by other means; off by default, and the
+losses bitwise the same with every signal on (collectives: tests/test_health_collectives.py)."""
 from __future__ import annotations
 
 import math
@@ -13,7 +13,7 @@ from msprobe_engine.errors import ConfigError
 
 SEQ, BATCH = 12, 2
 ALL_ON = {"attention_entropy": True, "stable_rank_every": 2, "stable_rank_iterations": 60, "mg_direction": True,
-          "micro_batch_grads": True}
+          "micro_batch_grads": True, "collectives": True}
 
 
 def _gpt2(seed: int = 0, attention: str = "eager"):
@@ -66,6 +66,20 @@ def test_off_by_default_and_losses_bitwise_with_every_signal_on():
     assert all(torch.equal(a, b) for a, b in zip(plain, on_losses))
     assert not [t for r in off for t in r.metrics if t.startswith("health/") or "mg_direction" in t]
     assert [t for t in on[0].metrics if t.startswith("health/")]
+    assert on[0].metrics["comm/all_reduce/calls/max"] == 0  # one process: no collective
+    assert not [t for r in off for t in r.metrics if t.startswith("comm/")]
+
+
+def test_every_health_key_belongs_to_one_registered_signal():
+    from dataclasses import fields
+
+    from msprobe_engine.config.schema import ModelHealth
+    from msprobe_engine.frameworks.torch.health_hooks import SIGNALS
+
+    owned = [name for _, signal in SIGNALS for name in (signal.key, *signal.options)]
+    assert sorted(owned) == sorted(f.name for f in fields(ModelHealth))
+    assert {name for name, _ in SIGNALS} >= {"attention_entropy", "stable_rank", "mg_direction", "micro_batch_grads",
+                                             "collectives"}
 
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])

@@ -86,3 +86,13 @@ def test_its_dump_keys_that_cannot_be_honoured_are_named(change, message):
     with pytest.raises(ConfigError) as err:
         load_dump_config({"dump_path": "d", **change})
     assert str(err.value) == f"config: {message}"
+
+
+def test_its_cc_distribution_turns_on_the_collective_counts(caplog):
+    with caplog.at_level(logging.WARNING, logger="msprobe_engine"):
+        cfg = load_config({**MONITOR_ALL, "cc_distribution": {"enable": True, "cc_log_only": True}})
+    assert cfg.watch.health.collectives and cfg.watch.health.mg_direction
+    assert "cc_distribution.cc_log_only=True is accepted but not applied here" in caplog.text
+    assert not load_config(MONITOR_ALL).watch.health.collectives
+    with pytest.raises(ConfigError, match=r"cc_distribution\.cc_hook: not one of enable, cc_codeline"):
+        load_config({**MONITOR_ALL, "cc_distribution": {"cc_hook": True}})

@@ -26,9 +26,11 @@ NOT_MEASURED_OPS = {"id": "tags name every tensor", "shape": "dumps record shape
 LEGACY_RULES = ("AnomalyTurbulence", "AnomalyNan")
 #: its keys of model-health signals -> ours in watch.health
 HEALTH_KEYS = {"mg_direction": "mg_direction", "monitor_mbs_grad": "micro_batch_grads"}
+#: its `cc_distribution` sub-keys and their defaults: `enable` -> watch.health.collectives (calls and
+#: bytes per op kind, not its statistics of the collectives' tensors); the others are not applied here
+CC_DISTRIBUTION = {"enable": False, "cc_codeline": [], "cc_pre_hook": False, "cc_log_only": False}
 #: its keys for what is not measured here: (default value, what to use instead)
 NOT_MEASURED: dict[str, tuple[Any, str]] = {
-    "cc_distribution": ({}, "collectives are not watched by the monitor; dump them (level L1) instead"),
     "stack_info": (False, "the dump writes stack.json"),
     "print_struct": (False, "module paths are the tags' <path> part"),
     "recording_l2_features": (False, "use watch.module_inputs / module_outputs"),
@@ -45,7 +47,7 @@ NOT_MEASURED: dict[str, tuple[Any, str]] = {
 LEGACY_KEYS = ("targets", "all_xy", "xy_distribution", "forward_only", "backward_only",
                "wg_distribution", "param_distribution", "mv_distribution", "ur_distribution",
                "ops", "format", "start_step", "step_interval", "collect_times", "alert",
-               "module_ranks", *HEALTH_KEYS, *NOT_MEASURED)
+               "module_ranks", "cc_distribution", *HEALTH_KEYS, *NOT_MEASURED)
 
 
 def translate_legacy(data: dict) -> dict:
@@ -89,8 +91,12 @@ def translate_legacy(data: dict) -> dict:
         if legacy in data and not isinstance(data[legacy], bool):
             raise ConfigError(f"{legacy}: expected true or false, got {_show(data[legacy])}")
     given = [key for key in HEALTH_KEYS if key in data]
+    health = {HEALTH_KEYS[key]: data[key] for key in given}
+    if "cc_distribution" in data:
+        health["collectives"] = _legacy_collectives(data["cc_distribution"])
+        given.append("cc_distribution")
     if given:
-        put("watch", "health", {HEALTH_KEYS[key]: data[key] for key in given}, " and ".join(given))
+        put("watch", "health", health, " and ".join(given))
     if "ops" in data:
         put(None, "stats", _legacy_ops(data["ops"]), "ops")
     if "format" in data:
@@ -124,6 +130,22 @@ def _legacy_ops(ops: Any) -> list[str]:
         else:
             raise ConfigError(f"ops[{index}]: {op!r} is not one of {', '.join([*LEGACY_OPS, *NOT_MEASURED_OPS])}")
     return stats
+
+
+def _legacy_collectives(cc: Any) -> bool:
+    """`cc_distribution` -> watch.health.collectives (its `enable`); its other sub-keys warn when set."""
+    if not isinstance(cc, dict):
+        raise ConfigError(f"cc_distribution: expected a mapping, got {_show(cc)}")
+    for key, value in cc.items():
+        if key not in CC_DISTRIBUTION:
+            raise ConfigError(f"cc_distribution.{key}: not one of {', '.join(CC_DISTRIBUTION)}")
+        if key == "enable" and not isinstance(value, bool):
+            raise ConfigError(f"cc_distribution.enable: expected true or false, got {_show(value)}")
+        if key != "enable" and value != CC_DISTRIBUTION[key]:
+            log.warning("msprobe monitor: predecessor key cc_distribution.%s=%r is accepted but not applied here: "
+                        "the monitor counts the calls and bytes of every collective per op kind "
+                        "(watch.health.collectives)", key, value)
+    return cc.get("enable", False)
 
 
 def _legacy_format(fmt: Any) -> Any:

@@ -36,12 +36,14 @@ class ModelHealth:
     """Model-health signals, all off by default (docs/model_health.md): attention entropy and
     largest probability, stable rank of 2-D weights every `stable_rank_every` monitored steps
     (0: never; `stable_rank_iterations` power iterations per step), the sign agreement of
-    gradient and momentum (the predecessor's mg_direction), the gradient norm per micro-batch."""
+    gradient and momentum (the predecessor's mg_direction), the gradient norm per micro-batch, the
+    training's collectives per step (calls and bytes per op kind)."""
     attention_entropy: bool = False
     stable_rank_every: int = field(default=0, metadata=at_least(0))
     stable_rank_iterations: int = field(default=2, metadata=between(1, 100))
     mg_direction: bool = False
     micro_batch_grads: bool = False
+    collectives: bool = False
 
 
 @dataclass(kw_only=True, slots=True)
@@ -56,7 +58,7 @@ class Watch:
         default_factory=lambda: ["exp_avg", "exp_avg_sq"], metadata=choices(*OPTIMIZER_STATES))
     #: mixture-of-experts routers' health (`router/` tags: load per expert, imbalance, entropy)
     routers: bool = True
-    #: model-health signals (`health/` tags, `optim/<param>/mg_direction`)
+    #: model-health signals (`health/` tags, `optim/<param>/mg_direction`, `comm/` tags)
     health: ModelHealth = field(default_factory=ModelHealth)
 
 

@@ -144,7 +144,7 @@ def api_precision_compare(device_csv: Path, reference_csv: Path, out_dir: Path) 
     return paths
 
 
-# ---- the command line (``msprobe-engine api_precision_compare``) --------------------------------
+# ---- the command line (``msprobe-engine api-precision-compare``) --------------------------------
 def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-npu", "--npu_csv_path", required=True, metavar="CSV",
                    help="accuracy_checking_details_<time>.csv of the device under test")
