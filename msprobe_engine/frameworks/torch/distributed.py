@@ -1,16 +1,16 @@
 """Merge partial-statistics rows across the ranks of a torch.distributed group: one policy for
 every integration (DeepSpeed, Megatron-core, DDP/FSDP).
 
-Two all-reduces per group and transfer, whose size does not depend on the world size: every
-rank packs its rows (the same keys in the same order) into
+Two all-reduces per transfer, whose size does not depend on the world size: every rank packs
+its rows (the same keys in the same order) into
 
 - a float64 vector all-reduced with SUM: the sum-like columns (sum, sumsq, the counts; float64,
-  so counts are exact), and
+  so counts are exact), the first-rank sums and the replica check of each `AUTO` row, and
 - an int64 vector all-reduced with MAX: the max columns and the negated min columns as
   order-preserving integer keys (`order_key`: nan sorts above +inf, so a nan anywhere comes
-  out as nan, as `torch.amax` would), a hash of each `AUTO` row and its negation, the layout
-  checksum and the key count and their negations, and the per-rank scalars of `stats.ranks`
-  with the rank in their low bits (max/argmax and min/argmin in one reduction).
+  out as nan, as `torch.amax` would), the layout checksum and the key count and their
+  negations, and the per-rank scalars of `stats.ranks` with the rank in their low bits
+  (max/argmax and min/argmin in one reduction).
 
 Each row is combined as its policy says:
 
@@ -19,8 +19,12 @@ Each row is combined as its policy says:
 - `ONCE`: the ranks hold copies (a replicated parameter): the first rank's row (the others
   contribute the identities -0.0 and the smallest key: x + -0.0 == x, exactly);
 - `LOCAL`: rank-local data kept as it is (per-rank records): this rank's own row (not sent);
-- `AUTO`: `ONCE` where every rank measured the very same bits (the row hash's max equals its
-  min over the ranks), `MERGE` otherwise: such rows send their sums twice (merged and first-rank).
+- `AUTO`: `ONCE` where every rank measured the very same bits, `MERGE` otherwise: the replica
+  check is the row hash in pieces, weighted ``1 - size`` on the first rank and 1 on the others,
+  whose exact sum is 0 where all copies agree (`_HashPieces`).
+
+Nested groups (tensor then data parallel) merge in the same two all-reduces over the group of
+all their ranks (`NestedMerge`): a rank gives a row where every group's policy lets it.
 
 The layout (the maximum and minimum of the checksum and count agree) is checked with one small
 host read the first time a layout is seen: ranks that measured different tensors fail loudly
