@@ -115,6 +115,9 @@ class StatReducer(Reducer):
         else:
             parts.append((layout.dp_group, "data", self.dp_policy))
         self.merges = NestedMerge([part for part in parts if layout.size(part[0]) > 1], stage=layout.stage_group)
+        #: the tensor-parallel group's merge (`tp_split.ReplicaSplit` watches it for one step: then the
+        #: merge goes group by group, through it)
+        self.tp = self.merges.chain[0] if layout.size(layout.tp_group) > 1 else None
 
     def tp_policy(self, key: MetricKey) -> str:
         if key.kind in PARAM_KINDS:
@@ -129,7 +132,10 @@ class StatReducer(Reducer):
         return MERGE if key.kind in PARAM_KINDS and is_expert_path(key.path) else self.dp_policy(key)
 
     def merge(self, keys: Sequence[MetricKey], rows: torch.Tensor) -> torch.Tensor:
-        return self.merges(keys, rows, layout_checksum(keys))
+        checksum = layout_checksum(keys)
+        if self.tp is not None and self.tp is not self.merges.chain[0]:  # watched
+            return self.merges.by_group(keys, rows, checksum, first=self.tp)
+        return self.merges(keys, rows, checksum)
 
     def spread(self) -> torch.Tensor | None:
         """The spread of the per-rank scalars over this pipeline stage's ranks."""

@@ -320,8 +320,15 @@ class NestedMerge:
         if self.whole is not None and self._fits(checksum, keys):
             self.last = self.whole
             return self.whole(keys, rows, self.policies, checksum)
+        return self.by_group(keys, rows, checksum)
+
+    def by_group(self, keys: Sequence[MetricKey], rows: torch.Tensor, checksum: int,
+                 first: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+        """`rows` merged part by part (a pair of all-reduces each); `first` in place of the first
+        part's merge (one that watches it: `megatron.tp_split`)."""
         inner = None
-        for merge, policy in zip(self.chain, self.policies):
+        for at, (merge, policy) in enumerate(zip(self.chain, self.policies)):
+            merge = first if at == 0 and first is not None else merge
             rows, inner = merge(keys, rows, policy, checksum, inner=inner), merge
         self.last = inner
         return rows
