@@ -38,6 +38,10 @@ _WINDOW = 110
 
 AllReduce = Callable[[np.ndarray, str], np.ndarray]
 
+_MISMATCH = ("msprobe: the ranks of the data-parallel group measured different tensors this step (different "
+             "Cell calls, or not every rank reported a loss); their statistics cannot be merged. Every rank "
+             "must run the same Cells and report alike.")
+
 
 def order_key(values: np.ndarray) -> np.ndarray:
     """int64 keys in the order of float64 `values` (-0.0 below +0.0, every nan above +inf)."""
@@ -54,8 +58,9 @@ def merge_rows(rows: np.ndarray, sent: np.ndarray, gives: np.ndarray, checksum: 
                all_reduce: AllReduce) -> np.ndarray:
     """`rows` (``[k, n]`` float64, this rank's) merged over the ranks: `sent` rows (the others stay
     this rank's own) as every rank's that `gives` them (MERGE: all; ONCE: rank 0 only). Raises
-    where the ranks measured different keys (`checksum`, count). `all_reduce(int64 array, "max" |
-    "sum")` is the backend's collective; called twice."""
+    where the ranks measured different keys (`checksum`, count; other counts make buffers of other
+    sizes, whose all-reduce MindSpore refuses: raised as the same error). `all_reduce(int64 array,
+    "max" | "sum")` is the backend's collective; called twice (once when nothing is sent)."""
     part = rows[sent]
     sums, maxes, mins = merge_indices("sum"), merge_indices("max"), merge_indices("min")
     values = part[:, sums]
@@ -63,11 +68,13 @@ def merge_rows(rows: np.ndarray, sent: np.ndarray, gives: np.ndarray, checksum: 
                            order_key(-values)], axis=1)
     keys[~gives[sent]] = NO_KEY
     layout = np.array([checksum, len(rows), -checksum, -len(rows)], np.int64)
-    reduced = all_reduce(np.concatenate([keys.ravel(), layout]), "max")
+    try:
+        reduced = all_reduce(np.concatenate([keys.ravel(), layout]), "max")
+    except RuntimeError as exc:  # MindSpore's fails on buffers of other sizes: as many keys
+        raise RuntimeError(_MISMATCH + f" (the all-reduce failed: {str(exc).splitlines()[0]}; the ranks' "
+                           "buffers differ in size where they measured different numbers of tensors)") from exc
     if (reduced[-4:-2] != -reduced[-2:]).any():
-        raise RuntimeError("msprobe: the ranks of the data-parallel group measured different tensors this step "
-                           "(different Cell calls, or not every rank reported a loss); their statistics cannot "
-                           "be merged. Every rank must run the same Cells and report alike.")
+        raise RuntimeError(_MISMATCH)
     keys = reduced[:-4].reshape(keys.shape)
     mx, mn, s = len(maxes), len(mins), len(sums)
     high, low = from_key(keys[:, mx + mn:mx + mn + s]), -from_key(keys[:, mx + mn + s:])
