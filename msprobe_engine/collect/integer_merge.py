@@ -68,11 +68,7 @@ def merge_rows(rows: np.ndarray, sent: np.ndarray, gives: np.ndarray, checksum: 
                            order_key(-values)], axis=1)
     keys[~gives[sent]] = NO_KEY
     layout = np.array([checksum, len(rows), -checksum, -len(rows)], np.int64)
-    try:
-        reduced = all_reduce(np.concatenate([keys.ravel(), layout]), "max")
-    except RuntimeError as exc:  # MindSpore's fails on buffers of other sizes: as many keys
-        raise RuntimeError(_MISMATCH + f" (the all-reduce failed: {str(exc).splitlines()[0]}; the ranks' "
-                           "buffers differ in size where they measured different numbers of tensors)") from exc
+    reduced = _reduce(all_reduce, np.concatenate([keys.ravel(), layout]), "max")
     if (reduced[-4:-2] != -reduced[-2:]).any():
         raise RuntimeError(_MISMATCH)
     keys = reduced[:-4].reshape(keys.shape)
@@ -88,13 +84,23 @@ def merge_rows(rows: np.ndarray, sent: np.ndarray, gives: np.ndarray, checksum: 
     out = rows.astype(np.float64, copy=True)
     if not len(part):  # per-rank rows only: no SUM, on every rank alike (MindSpore's fails when empty)
         return out
-    totals = all_reduce(limbs.ravel(), "sum").reshape(limbs.shape)
+    totals = _reduce(all_reduce, limbs.ravel(), "sum").reshape(limbs.shape)
     merged = part.copy()
     merged[:, maxes] = from_key(keys[:, :mx])
     merged[:, mins] = -from_key(keys[:, mx:mx + mn])
     merged[:, sums] = _sums(totals, window - top, limb_bits, high, low)
     out[sent] = merged
     return out
+
+
+def _reduce(all_reduce: AllReduce, values: np.ndarray, op: str) -> np.ndarray:
+    """`all_reduce(values, op)`; its failure (MindSpore's on buffers of other sizes, at this call or
+    the next one on a rank that waited) raised as the layout error."""
+    try:
+        return all_reduce(values, op)
+    except RuntimeError as exc:
+        raise RuntimeError(_MISMATCH + f" (the all-reduce failed: {str(exc).splitlines()[0]}; the ranks' "
+                           "buffers differ in size where they measured different numbers of tensors)") from exc
 
 
 def _limbs(values: np.ndarray, scale: np.ndarray, bits: int, count: int) -> np.ndarray:
