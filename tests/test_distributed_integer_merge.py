@@ -5,7 +5,7 @@ term, values 2**-1074 to 2**1000 apart. On 2 ranks every merged column is bit-id
 float64 addition; on more, the sums are the correctly rounded exact sums (`math.fsum`) but at
 exact ties broken by terms over 2**57 below the largest (one unit in the last place); min/max
 and counts exact, `ONCE` rows rank 0's, local rows the rank's own; the buffers do not grow with
-the world; a rank with other keys fails on every rank. The 2-rank `msrun` run of
+the world; a rank with other keys fails on every rank (a new layout: at a check of its own first). The 2-rank `msrun` run of
 tests/test_mindspore_distributed.py merges through it."""
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ def _every(world: int) -> np.ndarray:
     return every
 
 
-def _run(every: np.ndarray, keys_of=lambda rank: 123) -> tuple[list, list[int]]:
-    """Every rank's merged rows (or its error) and the sizes of the two buffers."""
+def _run(every: np.ndarray, keys_of=lambda rank: 123, new_layout: bool = False) -> tuple[list, list[int]]:
+    """Every rank's merged rows (or its error) and the sizes of the buffers rank 0 all-reduced."""
     world = len(every)
     barrier, box, sizes, outs = threading.Barrier(world), {}, [], [None] * world
     sent = np.arange(K) < K - LOCAL_ROWS
@@ -56,7 +56,8 @@ def _run(every: np.ndarray, keys_of=lambda rank: 123) -> tuple[list, list[int]]:
             return reduced
 
         try:
-            outs[rank] = merge_rows(every[rank].copy(), sent, ~once | (rank == 0), keys_of(rank), world, all_reduce)
+            outs[rank] = merge_rows(every[rank].copy(), sent, ~once | (rank == 0), keys_of(rank), world, all_reduce,
+                                    new_layout=new_layout)
         except RuntimeError as exc:
             outs[rank] = str(exc)
 
@@ -130,8 +131,9 @@ def test_the_buffers_do_not_grow_with_the_world(merged):
 
 
 def test_ranks_measuring_different_keys_fail_on_every_rank():
-    outs, _ = _run(_every(2), keys_of=lambda rank: 123 + rank)
+    outs, sizes = _run(_every(2), keys_of=lambda rank: 123 + rank, new_layout=True)
     assert all("measured different tensors" in out for out in outs)
+    assert sizes == [4 * 8]  # a new layout: the check alone first, then nothing more
 
 
 def test_nothing_sent_is_one_max_and_the_rows_kept():

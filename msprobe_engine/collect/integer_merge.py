@@ -55,12 +55,15 @@ def from_key(keys: np.ndarray) -> np.ndarray:
 
 
 def merge_rows(rows: np.ndarray, sent: np.ndarray, gives: np.ndarray, checksum: int, world: int,
-               all_reduce: AllReduce) -> np.ndarray:
+               all_reduce: AllReduce, new_layout: bool = False) -> np.ndarray:
     """`rows` (``[k, n]`` float64, this rank's) merged over the ranks: `sent` rows (the others stay
     this rank's own) as every rank's that `gives` them (MERGE: all; ONCE: rank 0 only). Raises
-    where the ranks measured different keys (`checksum`, count; other counts make buffers of other
-    sizes, whose all-reduce MindSpore refuses: raised as the same error). `all_reduce(int64 array,
-    "max" | "sum")` is the backend's collective; called twice (once when nothing is sent)."""
+    where the ranks measured different keys (`checksum`, count, in the MAX). `new_layout` (the first
+    time this rank sees `checksum`): first a MAX of those four numbers alone, so that ranks with
+    other key counts (other buffer sizes, whose all-reduce MindSpore refuses, one rank only after a
+    timeout) fail at once; later, a failed all-reduce is raised as the same error.
+    `all_reduce(int64 array, "max" | "sum")` is the backend's collective; called twice (once when
+    nothing is sent; once more for a new layout)."""
     part = rows[sent]
     sums, maxes, mins = merge_indices("sum"), merge_indices("max"), merge_indices("min")
     values = part[:, sums]
@@ -68,9 +71,10 @@ def merge_rows(rows: np.ndarray, sent: np.ndarray, gives: np.ndarray, checksum: 
                            order_key(-values)], axis=1)
     keys[~gives[sent]] = NO_KEY
     layout = np.array([checksum, len(rows), -checksum, -len(rows)], np.int64)
+    if new_layout:
+        _check(_reduce(all_reduce, layout, "max"))
     reduced = _reduce(all_reduce, np.concatenate([keys.ravel(), layout]), "max")
-    if (reduced[-4:-2] != -reduced[-2:]).any():
-        raise RuntimeError(_MISMATCH)
+    _check(reduced[-4:])
     keys = reduced[:-4].reshape(keys.shape)
     mx, mn, s = len(maxes), len(mins), len(sums)
     high, low = from_key(keys[:, mx + mn:mx + mn + s]), -from_key(keys[:, mx + mn + s:])
@@ -91,6 +95,12 @@ def merge_rows(rows: np.ndarray, sent: np.ndarray, gives: np.ndarray, checksum: 
     merged[:, sums] = _sums(totals, window - top, limb_bits, high, low)
     out[sent] = merged
     return out
+
+
+def _check(layout: np.ndarray) -> None:
+    """Raise unless every rank sent the same (checksum, count): the max of each is minus the max of its negation."""
+    if (layout[:2] != -layout[2:]).any():
+        raise RuntimeError(_MISMATCH)
 
 
 def _reduce(all_reduce: AllReduce, values: np.ndarray, op: str) -> np.ndarray:

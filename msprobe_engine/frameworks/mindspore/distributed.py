@@ -65,11 +65,12 @@ class DataParallelMerge(Reducer):
         if self.world == 1:
             return rows
         checksum = layout_checksum(keys)
-        if checksum not in self._masks:  # (sent, given by this rank): rank-local rows merged, the rest rank 0's
+        new = checksum not in self._masks
+        if new:  # (sent, given by this rank): rank-local rows merged, the rest rank 0's
             local = np.array([k.kind in RANK_LOCAL_KINDS for k in keys])
             self._masks[checksum] = (~(local & self.per_rank), local | (self.rank == 0))
         sent, gives = self._masks[checksum]
-        merged = merge_rows(rows.asnumpy(), sent, gives, checksum, self.world, _all_reduce)
+        merged = merge_rows(rows.asnumpy(), sent, gives, checksum, self.world, _all_reduce, new_layout=new)
         nan = sent & (merged[:, P_NAN] > 0)  # MindSpore's min/max skip nan; a merged row that holds one shows it
         merged[nan, P_MIN] = merged[nan, P_MAX] = float("nan")
         return Tensor(merged).astype(rows.dtype)
