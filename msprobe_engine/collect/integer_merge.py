@@ -16,7 +16,8 @@ values, the same on every rank and in any order: bit-identical to float64 additi
 (the dropped bits of a value 2**57 below the other cannot move its rounding); on more, one unit
 in the last place off at an exact tie that only the dropped bits would break.
 Rows a rank does not give (a copy rank 0 gives) send the identities (the smallest key, zero
-limbs); rows kept local are not sent. Buffers: ``8 x (2 + 2s + 4/k)`` and ``8 x s x L`` bytes
+limbs); rows kept local are not sent. A layout's first step checks (checksum, count) in a MAX of
+its own first (ranks with other key counts would send buffers of other sizes). Buffers: ``8 x (2 + 2s + 4/k)`` and ``8 x s x L`` bytes
 per row (s sum-like columns) at any world size.
 """
 from __future__ import annotations
