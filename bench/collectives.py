@@ -14,7 +14,8 @@ received: world x (k + 1) x 64 B.
 Part 2, one process with torch's fake process group (collectives do nothing, buffers are real):
 the code path for `--rows` rows (a 7B model: ~1,550) at each of `--fake-worlds`: the buffers'
 bytes (the merge's only extra memory besides the merged rows) and the host time of one merge
-(median of 20). The last line printed is one JSON object.
+(median of 20), and the collectives and bytes of one merge over tensor parallel 8 x data
+parallel (`NestedMerge`: one pair over the world). The last line printed is one JSON object.
 """
 from __future__ import annotations
 
@@ -154,11 +155,37 @@ def fake(world: int, rows: int) -> dict:
             merge = GroupMerge(None)
             for _ in range(21):
                 merge(keys, values, policy)
-        return {"world": world, "rows": rows, "buffers": counted.sizes[:2], "bytes": sum(counted.sizes[:2]),
-                "gather_bytes": world * (rows + 1) * 64,
-                "host_ms": round(statistics.median(counted.merge_s[1:]) * 1e3, 3)}
+        one = {"world": world, "rows": rows, "buffers": counted.sizes[:2], "bytes": sum(counted.sizes[:2]),
+               "gather_bytes": world * (rows + 1) * 64,
+               "host_ms": round(statistics.median(counted.merge_s[1:]) * 1e3, 3)}
+        return {**one, "tp8_x_dp": _stage(world, keys, values)}
     finally:
         dist.destroy_process_group()
+
+
+def _stage(world: int, keys: list, values: torch.Tensor) -> dict:
+    """Tensor parallel 8 x data parallel world/8 (`NestedMerge` over the world): the collectives
+    and bytes of one merge (activations `auto` over TP, model state once over both)."""
+    from msprobe_engine.frameworks.torch import distributed as torch_distributed
+    from msprobe_engine.frameworks.torch.distributed import AUTO, MERGE, ONCE, NestedMerge
+
+    rank, tp = world - 1, 8
+    tp_group = dist.new_group(list(range(rank - rank % tp, rank - rank % tp + tp)))
+    dp_group = dist.new_group(list(range(rank % tp, world, tp)))
+    parts = [(tp_group, "tensor", lambda key: ONCE if key.kind == "grad" else AUTO),
+             (dp_group, "data", lambda key: ONCE if key.kind == "grad" else MERGE)]
+    sizes, original = [], torch_distributed._all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        sizes.append(tensor.numel() * tensor.element_size())
+        return original(tensor, *args, **kwargs)
+
+    torch_distributed._all_reduce = counting
+    try:
+        NestedMerge(parts, stage=dist.group.WORLD)(keys, values)
+    finally:
+        torch_distributed._all_reduce = original
+    return {"calls": len(sizes), "bytes": sum(sizes)}
 
 
 def main() -> None:
@@ -178,6 +205,9 @@ def main() -> None:
     for r in simulated:
         print(f"{'fake':8} {r['world']:>6} {r['rows']:>6} {2:>10} {r['bytes']:>16,} {r['gather_bytes']:>17,} "
               f"{r['host_ms']:>9} {'-':>9}")
+        stage = r["tp8_x_dp"]
+        print(f"{'fake':8} {r['world']:>6} {r['rows']:>6} {stage['calls']:>10} {stage['bytes']:>16,} "
+              f"{'(TP 8 x DP)':>17} {'-':>9} {'-':>9}")
     print(json.dumps({"gloo": real, "fake": simulated}))
 
 

@@ -84,36 +84,103 @@ def _compare(rank: int, world: int) -> dict:
             "mismatch": mismatch}
 
 
-def _two_groups(rank: int, world: int) -> dict:
-    """A 2 x 2 grid: tensor-parallel pairs {0, 1}, {2, 3}, data-parallel pairs {0, 2}, {1, 3}; the
-    data merge carries the tensor merge's spread on: the rank holding the most nan is named by its
-    global rank on every rank, out of 4."""
+def _grid(rank: int, world: int) -> dict:
+    """A 2 x 2 grid: tensor-parallel pairs {0, 1}, {2, 3}, data-parallel pairs {0, 2}, {1, 3}.
+    The same rows merged over both (every tensor x data policy pair, replicated `AUTO` rows in both
+    pairs, in one only, in none) in one pair of all-reduces over the world (`NestedMerge` with a
+    stage) and group by group (without one); the rank holding the most nan named by its global
+    rank on every rank, out of 4."""
+    import itertools
+
     import torch
     import torch.distributed as dist
 
-    from msprobe_engine.frameworks.torch.distributed import MERGE, GroupMerge
-    from msprobe_engine.stats.columns import P_NAN
+    from msprobe_engine.frameworks.torch import distributed as torch_distributed
+    from msprobe_engine.frameworks.torch.distributed import AUTO, MERGE, ONCE, NestedMerge
+    from msprobe_engine.stats.columns import P_INF, P_NAN, P_NUMEL
     from msprobe_engine.stats.ranks import RankSpread
     from msprobe_engine.stats.table import MetricKey
 
     dist.init_process_group("gloo")
     tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    tp, dp = GroupMerge(tp_groups[rank // 2], "tensor"), GroupMerge(dp_groups[rank % 2], "data")
-    keys = [MetricKey("actv", f"m{i}") for i in range(6)]
-    rows = torch.zeros(6, 8, dtype=torch.float64)
-    rows[:, P_NAN] = {3: 5.0, 1: 2.0}.get(rank, 0.0)
-    merged = dp(keys, tp(keys, rows, lambda key: MERGE), lambda key: MERGE, inner=tp)
-    spread = RankSpread.of(dp.spread.tolist())
+    tp_group, dp_group = tp_groups[rank // 2], dp_groups[rank % 2]
+    pairs = list(itertools.product((MERGE, ONCE, AUTO), (MERGE, ONCE))) * 3
+    keys = [MetricKey("grad" if tp != AUTO else "actv", f"m{i}") for i, (tp, _) in enumerate(pairs)]
+    policy = {key: pair for key, pair in zip(keys, pairs)}
+    gen = torch.Generator().manual_seed(0)
+    every = torch.randn(world, len(keys), 8, generator=gen, dtype=torch.float64)
+    every[:, :, 4:] = torch.randint(0, 100, (world, len(keys), 4), generator=gen).double()
+    every[1, 0, 0] = float("nan")
+    every[:, :, P_INF] = 0.0
+    auto = torch.tensor([tp == AUTO for tp, _ in pairs])
+    every[:, :, P_NAN] = torch.where(auto, 0.0, torch.tensor([0.0, 2.0, 0.0, 5.0])[:, None])
+    for i, (tp, _) in enumerate(pairs):
+        copies = 2 if i < len(pairs) // 3 else (1 if i < 2 * len(pairs) // 3 else 0)  # pairs holding copies
+        for pair in range(copies) if tp == AUTO else ():
+            every[2 * pair + 1, i] = every[2 * pair, i]
+    parts = [(tp_group, "tensor", lambda key: policy[key][0]), (dp_group, "data", lambda key: policy[key][1])]
+    calls = []
+    original = torch_distributed._all_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs["group"])
+        return original(*args, **kwargs)
+
+    torch_distributed._all_reduce = counting
+    try:
+        whole, chain = NestedMerge(parts, stage=dist.group.WORLD), NestedMerge(parts)
+        at_once = whole(keys, every[rank].clone())
+        one_call = len(calls)
+        by_group = chain(keys, every[rank].clone())
+    finally:
+        torch_distributed._all_reduce = original
+    spread = RankSpread.of(whole.last.spread.tolist())
+    whole_group = calls[0] is dist.group.WORLD
+    third = len(pairs) // 3  # replicated in the first tensor-parallel pair only, merged over data: the
+    # copy is counted too (over the world the copies of every pair count, or of none)
+    mixed = {i: every[0, i, P_NUMEL].item() for i, pair in enumerate(pairs) if pair == (AUTO, MERGE) and third <= i < 2 * third}
     dist.destroy_process_group()
     return {"holder": spread.nonfinite_holder(), "most": spread.get("nonfinite", "max"), "world": spread.world,
-            "holders": spread.values["holders"], "nan_count": merged[0, P_NAN].item()}
+            "holders": spread.values["holders"], "nan_count": at_once[0, P_NAN].item(),
+            "calls": (one_call, len(calls) - one_call), "whole_group": whole_group,
+            "at_once": at_once.tolist(), "by_group": by_group.tolist(), "mixed": mixed,
+            "chain_spread": RankSpread.of(chain.last.spread.tolist()).values, "spread": spread.values}
+
+
+@pytest.fixture(scope="module")
+def grid() -> list[dict]:
+    return run_ranks(_grid, 4, timeout=120)
 
 
 @pytest.mark.slow
-def test_a_rank_is_named_through_a_tensor_then_data_parallel_pair_of_merges():
-    for result in run_ranks(_two_groups, 4, timeout=120):
-        assert result == {"holder": 3, "most": 30.0, "world": 4, "holders": 2.0, "nan_count": 7.0}
+def test_a_rank_is_named_through_a_tensor_then_data_parallel_merge(grid):
+    for result in grid:
+        assert {k: result[k] for k in ("holder", "most", "world", "holders", "nan_count")} == {
+            "holder": 3, "most": 5.0 * 12, "world": 4, "holders": 2.0, "nan_count": 7.0}
+
+
+@pytest.mark.slow
+def test_two_groups_merge_in_one_pair_of_all_reduces_as_group_by_group(grid):
+    import torch
+
+    from msprobe_engine.stats.columns import P_NUMEL, P_SUM, P_SUMSQ
+
+    for result in grid:
+        assert result["calls"] == (2, 4) and result["whole_group"]  # one SUM + one MAX over the world
+        at_once, by_group = (torch.tensor(result[k], dtype=torch.float64) for k in ("at_once", "by_group"))
+        same = (at_once.view(torch.int64) == by_group.view(torch.int64)) | (at_once.isnan() & by_group.isnan())
+        rows = [i for i in range(len(at_once)) if i not in result["mixed"]]
+        bad = [(rows[i], c) for i, c in (~same[rows]).nonzero().tolist() if c not in (P_SUM, P_SUMSQ)]
+        assert not bad, bad  # counts, minima, maxima, once/auto choices bit-identical
+        # float sums: 4 terms of |x| < 10, added in gloo's order: a few units in the last place
+        assert torch.allclose(at_once[rows], by_group[rows], rtol=0, atol=1e-14, equal_nan=True)
+        assert result["mixed"]
+        for i, copy in result["mixed"].items():
+            assert at_once[i, P_NUMEL] == by_group[i, P_NUMEL] + copy
+        assert result["spread"] == pytest.approx(result["chain_spread"], rel=1e-15, nan_ok=True)
+    bits = [torch.tensor(r["at_once"], dtype=torch.float64).view(torch.int64) for r in grid]
+    assert all(torch.equal(b, bits[0]) for b in bits)  # every rank holds the same merged bits
 
 
 @pytest.fixture(scope="module")

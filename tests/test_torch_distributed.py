@@ -61,6 +61,7 @@ def _train(model, out: str, rank: int, dp: int, misreport: bool = False, perturb
     dtype = next(model.parameters()).dtype
     data, target = data.to(dtype), target.to(dtype)
     truth = {}
+    merge_calls = _MergeCalls()
     for step in range(STEPS):
         for i, (x, y) in enumerate(zip(data[part].chunk(micro), target[part].chunk(micro))):
             if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: reduce-scatter on the last one
@@ -76,10 +77,29 @@ def _train(model, out: str, rank: int, dp: int, misreport: bool = False, perturb
         if step == 0 and perturb:  # this rank's copy only (a DTensor op would be a collective)
             with torch.no_grad():
                 local_tensor(dict(monitor.wrapping.inner.named_parameters())[perturb]).view(-1)[0] += 1e-3
+    merge_calls.close()
     monitor.close()
     return {"metrics": [r.metrics for r in monitor.history], "transfers": monitor.transfers, "truth": truth,
+            "merge_calls": merge_calls.calls,
             "alerts": [(e.rule, e.step, e.tag, e.also) for e in monitor.alert_log if e.phase == "start"],
             "warnings": sorted(monitor._warned), "reducer": type(monitor.reducer).__name__}
+
+
+class _MergeCalls:
+    """Counts the statistics merge's collectives (`distributed._all_reduce`) until `close`."""
+
+    def __init__(self) -> None:
+        from msprobe_engine.frameworks.torch import distributed
+        self.module, self.original, self.calls = distributed, distributed._all_reduce, 0
+
+        def counting(*args, **kwargs):
+            self.calls += 1
+            return self.original(*args, **kwargs)
+
+        distributed._all_reduce = counting
+
+    def close(self) -> None:
+        self.module._all_reduce = self.original
 
 
 def _rank_batch(rank: int, dp: int):
@@ -269,7 +289,8 @@ def test_statistics_equal_the_single_process_ones(runs, layout):
     wrong = {t: (got[t], reference[t]) for t in set(reference) - timings if not _close(got[t], reference[t])}
     assert not wrong, wrong
     assert runs[layout]["reducer"] == "DataParallelMerge"
-    assert runs[layout]["transfers"] == STEPS  # one packed transfer (one collective) per step
+    assert runs[layout]["transfers"] == STEPS  # one packed transfer per step
+    assert runs[layout]["merge_calls"] == 2 * STEPS  # one SUM and one MAX all-reduce, with one group or two
 
 
 @pytest.mark.slow

@@ -2,8 +2,9 @@
 
 The monitor hands its packed rows to `StatReducer` once per transfer. The rows
 are merged over the tensor-parallel group and then over the data-parallel group (with
-context parallel), each in two all-reduces of a size independent of the group's
-(`frameworks.torch.distributed.GroupMerge`), never the tensors themselves.
+context parallel), as if one after the other, in two all-reduces over the stage's TP x DP
+group of a size independent of the groups' (`frameworks.torch.distributed.NestedMerge`),
+never the tensors themselves.
 Per row, the merge is exact:
 
 - a parameter's gradient, weight or optimizer state: merged over TP when the
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from msprobe_engine.frameworks.torch.distributed import AUTO, MERGE, ONCE, GroupMerge, layout_checksum
+from msprobe_engine.frameworks.torch.distributed import AUTO, MERGE, ONCE, NestedMerge, layout_checksum
 from msprobe_engine.reducer import Reducer
 from msprobe_engine.stats.table import MetricKey
 from msprobe_integrations.megatron.experts import is_expert_path
@@ -52,21 +53,28 @@ class Layout:
     pp_size: int = 1
     ep_group: object = None
     edp_group: object = None
+    #: the group of this stage's TP x DP (with CP) ranks, where the merge over them all is one pair of
+    #: all-reduces (None: group by group)
+    stage_group: object = None
 
     @classmethod
     def of(cls, chunks: Sequence[Chunk]) -> "Layout":
         """The groups of the first DDP-wrapped chunk, else those of `parallel_state`."""
         ddp = next((c.ddp for c in chunks if c.ddp is not None), None)
+        initialized = dist.is_initialized() and parallel_state.model_parallel_is_initialized()
+        # (checked against the groups it must hold by the merge: `NestedMerge`)
+        stage = parallel_state.get_tensor_and_data_parallel_group(
+            check_initialized=False, with_context_parallel=True) if initialized else None
         if ddp is not None:
             return cls(ddp.tp_group, ddp.dp_cp_group, dist.get_world_size(ddp.pp_group),
-                       getattr(ddp, "ep_group", None), getattr(ddp, "expt_dp_group", None))
-        if not (dist.is_initialized() and parallel_state.model_parallel_is_initialized()):
+                       getattr(ddp, "ep_group", None), getattr(ddp, "expt_dp_group", None), stage)
+        if not initialized:
             return cls(None, None)
         return cls(parallel_state.get_tensor_model_parallel_group(),
                    parallel_state.get_data_parallel_group(with_context_parallel=True),
                    parallel_state.get_pipeline_model_parallel_world_size(),
                    parallel_state.get_expert_model_parallel_group(check_initialized=False),
-                   parallel_state.get_expert_data_parallel_group(check_initialized=False))
+                   parallel_state.get_expert_data_parallel_group(check_initialized=False), stage)
 
     @property
     def ep_size(self) -> int:
@@ -100,15 +108,16 @@ class StatReducer(Reducer):
         self.layout = layout
         self.tp_partitioned = tp_partitioned
         self.dp_sharded = dp_sharded
-        self.tp = GroupMerge(layout.tp_group, "tensor") if layout.size(layout.tp_group) > 1 else None
-        self.dp = self.edp = self.ep = None
-        self._last: GroupMerge | None = None  # the last merge of a transfer (its spread covers all)
+        parts = [(layout.tp_group, "tensor", self.tp_policy)]
         if layout.ep_size > 1:  # data parallel = expert data parallel x expert parallel
             layout.check_experts()
-            self.ep = GroupMerge(layout.ep_group, "expert")
-            self.edp = GroupMerge(layout.edp_group, "expert data") if layout.size(layout.edp_group) > 1 else None
-        elif layout.size(layout.dp_group) > 1:
-            self.dp = GroupMerge(layout.dp_group, "data")
+            parts += [(layout.edp_group, "expert data", self.dp_policy), (layout.ep_group, "expert", self.ep_policy)]
+        else:
+            parts.append((layout.dp_group, "data", self.dp_policy))
+        self.merges = NestedMerge([part for part in parts if layout.size(part[0]) > 1], stage=layout.stage_group)
+        #: the tensor-parallel group's merge (`tp_split.ReplicaSplit` watches it for one step: then the
+        #: merge goes group by group, through it)
+        self.tp = self.merges.chain[0] if layout.size(layout.tp_group) > 1 else None
 
     def tp_policy(self, key: MetricKey) -> str:
         if key.kind in PARAM_KINDS:
@@ -124,14 +133,10 @@ class StatReducer(Reducer):
 
     def merge(self, keys: Sequence[MetricKey], rows: torch.Tensor) -> torch.Tensor:
         checksum = layout_checksum(keys)
-        inner = None  # each merge carries the spread of the per-rank scalars on to the next
-        for group, policy in ((self.tp, self.tp_policy), (self.dp, self.dp_policy), (self.edp, self.dp_policy),
-                              (self.ep, self.ep_policy)):
-            if group is not None:
-                rows, inner = group(keys, rows, policy, checksum, inner=inner), group
-        self._last = inner
-        return rows
+        if self.tp is not None and self.tp is not self.merges.chain[0]:  # watched
+            return self.merges.by_group(keys, rows, checksum, first=self.tp)
+        return self.merges(keys, rows, checksum)
 
     def spread(self) -> torch.Tensor | None:
         """The spread of the per-rank scalars over this pipeline stage's ranks."""
-        return self._last.spread_rows() if self._last is not None else None
+        return self.merges.spread_rows()

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from msprobe_engine.frameworks.torch.distributed import (AUTO, LOCAL, MERGE, ONCE, GroupMerge, agree,
+from msprobe_engine.frameworks.torch.distributed import (AUTO, LOCAL, MERGE, ONCE, NestedMerge, agree,
                                                          layout_checksum)
 from msprobe_engine.frameworks.torch.fsdp import shard_groups
 from msprobe_engine.incident.actions import StepDecision
@@ -146,16 +146,18 @@ class DataParallelMerge(Reducer):
     over the tensor-parallel group comes first (see the module docstring)."""
 
     def __init__(self, wrapping: Wrapping, params: Sequence[tuple[str, torch.Tensor]], per_rank: bool) -> None:
-        self.data = GroupMerge(wrapping.group, "data")
-        self.world = self.data.world
+        self.group = wrapping.group
+        self.world = wrapping.world
         self.per_rank = per_rank
         self.sharded, self.copies = shard_groups(params) if wrapping.kind == "fsdp2" else (set(), set())
-        self.tp: GroupMerge | None = None
+        parts = [(wrapping.group, "data", self.policy)]
         if wrapping.tp_group is not None:  # a tensor-parallel copy is taken once over TP, not blanked
-            self.tp = GroupMerge(wrapping.tp_group, "tensor")
             self.copies = set()
             self.tp_sharded = {n for n, p in params
                                if getattr(p, "placements", None) and p.placements[wrapping.tp_dim].is_shard()}
+            parts.insert(0, (wrapping.tp_group, "tensor", self.tp_policy))
+        # the mesh is the whole world (`wrapping_of`): the stage of both merges
+        self.merges = NestedMerge(parts, stage=dist.group.WORLD)
         self._blank: dict[int, torch.Tensor | None] = {}
         self._device = torch.device("cpu")  # where the rows live (the collectives' device)
         #: a step replay's rows are merged too (`Monitor.replay_statistics`): the rules fire on merged
@@ -176,7 +178,7 @@ class DataParallelMerge(Reducer):
         nothing to agree on, no collective."""
         if not self.per_rank or self.world == 1:
             return decision
-        return agree(decision, self.data.group, self._device)
+        return agree(decision, self.group, self._device)
 
     def tp_policy(self, key: MetricKey) -> str:
         if key.kind in PARAM_KINDS:
@@ -186,16 +188,14 @@ class DataParallelMerge(Reducer):
     def merge(self, keys: Sequence[MetricKey], rows: torch.Tensor) -> torch.Tensor:
         self._device = rows.device
         checksum = layout_checksum(keys)
-        if self.tp is not None:
-            rows = self.tp(keys, rows, self.tp_policy, checksum)
         blank = self._blank_mask(checksum, keys, rows.device)
         if blank is not None:
             rows = torch.where(blank[:, None], _empty_row(rows), rows)
-        return self.data(keys, rows, self.policy, checksum, inner=self.tp)
+        return self.merges(keys, rows, checksum)
 
     def spread(self) -> torch.Tensor | None:
-        """The spread over every rank (the tensor-parallel merge's carried on into the data one)."""
-        return self.data.spread_rows()
+        """The spread over every rank (both groups' under tensor parallelism)."""
+        return self.merges.spread_rows()
 
     def _blank_mask(self, checksum: int, keys: Sequence[MetricKey], device: torch.device) -> torch.Tensor | None:
         """Rows this rank holds as a second copy of a shard (HSDP), once per layout."""

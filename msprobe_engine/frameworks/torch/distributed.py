@@ -1,16 +1,16 @@
 """Merge partial-statistics rows across the ranks of a torch.distributed group: one policy for
 every integration (DeepSpeed, Megatron-core, DDP/FSDP).
 
-Two all-reduces per group and transfer, whose size does not depend on the world size: every
-rank packs its rows (the same keys in the same order) into
+Two all-reduces per transfer, whose size does not depend on the world size: every rank packs
+its rows (the same keys in the same order) into
 
 - a float64 vector all-reduced with SUM: the sum-like columns (sum, sumsq, the counts; float64,
-  so counts are exact), and
+  so counts are exact), the first-rank sums and the replica check of each `AUTO` row, and
 - an int64 vector all-reduced with MAX: the max columns and the negated min columns as
   order-preserving integer keys (`order_key`: nan sorts above +inf, so a nan anywhere comes
-  out as nan, as `torch.amax` would), a hash of each `AUTO` row and its negation, the layout
-  checksum and the key count and their negations, and the per-rank scalars of `stats.ranks`
-  with the rank in their low bits (max/argmax and min/argmin in one reduction).
+  out as nan, as `torch.amax` would), the layout checksum and the key count and their
+  negations, and the per-rank scalars of `stats.ranks` with the rank in their low bits
+  (max/argmax and min/argmin in one reduction).
 
 Each row is combined as its policy says:
 
@@ -19,8 +19,12 @@ Each row is combined as its policy says:
 - `ONCE`: the ranks hold copies (a replicated parameter): the first rank's row (the others
   contribute the identities -0.0 and the smallest key: x + -0.0 == x, exactly);
 - `LOCAL`: rank-local data kept as it is (per-rank records): this rank's own row (not sent);
-- `AUTO`: `ONCE` where every rank measured the very same bits (the row hash's max equals its
-  min over the ranks), `MERGE` otherwise: such rows send their sums twice (merged and first-rank).
+- `AUTO`: `ONCE` where every rank measured the very same bits, `MERGE` otherwise: the replica
+  check is the row hash in pieces, weighted ``1 - size`` on the first rank and 1 on the others,
+  whose exact sum is 0 where all copies agree (`_HashPieces`).
+
+Nested groups (tensor then data parallel) merge in the same two all-reduces over the group of
+all their ranks (`NestedMerge`): a rank gives a row where every group's policy lets it.
 
 The layout (the maximum and minimum of the checksum and count agree) is checked with one small
 host read the first time a layout is seen: ranks that measured different tensors fail loudly
@@ -87,14 +91,37 @@ def row_hash(rows: torch.Tensor) -> torch.Tensor:
     return h & _HASH_MASK
 
 
+@dataclass(frozen=True)
+class _HashPieces:
+    """`row_hash`es cut into `count` pieces of `bits` bits, as float64: small enough that a SUM over
+    the ranks of one piece times the replica-check weights (the first copy's ``1 - size``, the
+    others' 1) is exact, so it is 0 exactly where every group's copies hash alike."""
+    bits: int
+    count: int
+
+    def __call__(self, hashes: torch.Tensor) -> torch.Tensor:
+        low = (1 << self.bits) - 1
+        return torch.stack([(hashes >> (self.bits * i)) & low for i in range(self.count)], dim=1).to(torch.float64)
+
+
+def _hash_pieces(world: int) -> _HashPieces:
+    """The pieces for `world` ranks: every partial sum stays below 2**53 (``2 * world * 2**bits``)."""
+    bits = min(31, 52 - max(1, world.bit_length()))
+    return _HashPieces(bits, -(-62 // bits))
+
+
 @dataclass
 class _Plan:
-    """What a layout sends: the rows not kept `LOCAL` (`sent`), which of those are `ONCE`
-    (`once`), the `AUTO` ones (`auto`, positions in `sent`), and the rows of the per-rank
-    scalars (replicated gradients `grads`, the loss `losses`); the column positions by merge."""
+    """What a layout sends: the rows not kept `LOCAL` (`sent`), those this rank sends identities for
+    (`idle`: a copy another rank gives), the `AUTO` ones (`auto`, positions in `sent`), those this
+    rank gives no first-copy sums for (`auto_idle`) and the weight of its replica check
+    (`auto_weight`), the rows of the per-rank scalars (replicated gradients `grads`, the loss
+    `losses`); the column positions by merge."""
     sent: torch.Tensor
-    once: torch.Tensor | None
+    idle: torch.Tensor | None
     auto: torch.Tensor | None
+    auto_idle: torch.Tensor | None
+    auto_weight: torch.Tensor | None
     grads: torch.Tensor
     losses: torch.Tensor
     sums: list[int]
@@ -104,18 +131,27 @@ class _Plan:
 
 class GroupMerge:
     """Merges packed rows over one process group (`what` names it in errors: "data", "tensor").
+
+    `parts`: the nested groups (inner first: tensor, then data parallel) whose product `group` is:
+    a call then takes one policy per part and merges as one merge per part in turn would (a row's
+    sums come from the ranks each part's policy lets give them), still in one pair of all-reduces
+    over `group`; a row `LOCAL` over some parts only cannot be (`NestedMerge` merges part by part).
     After each call, `spread` holds the spread of the per-rank scalars (`stats.ranks`) over the
     group (and an `inner` group's), on the device (``[len(ranks.NAMES)]`` float64; ranks named by
     their global rank)."""
 
-    def __init__(self, group: object = None, what: str = "data") -> None:
+    def __init__(self, group: object = None, what: str = "data", parts: Sequence[object] | None = None) -> None:
         self.group = group
         self.what = what
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.global_rank = dist.get_rank() if dist.is_initialized() else 0
+        #: (this rank's rank, the size) in each part
+        self.parts = [(self.rank, self.world)] if parts is None else [
+            (dist.get_rank(part), dist.get_world_size(part)) for part in parts]
         world = dist.get_world_size() if dist.is_initialized() else 1
         self._rank_bits = (1 << max(1, (world - 1).bit_length())) - 1
+        self._pieces = _hash_pieces(self.world)
         self._checked: set[int] = set()
         self._plans: dict[int, _Plan] = {}
         self.spread: torch.Tensor | None = None
@@ -124,15 +160,17 @@ class GroupMerge:
         self.reduced: tuple[torch.Tensor, torch.Tensor] | None = None
         self.spread_world = self.world
 
-    def __call__(self, keys: Sequence[MetricKey], rows: torch.Tensor, policy: Policy,
+    def __call__(self, keys: Sequence[MetricKey], rows: torch.Tensor, policy: Policy | Sequence[Policy],
                  checksum: int | None = None, inner: "GroupMerge | None" = None) -> torch.Tensor:
-        """`rows` merged over the group, row `i` as `policy(keys[i])` says. `inner`: the merge
-        these rows just went through over another group (tensor parallel before data parallel):
-        its spread is carried on, so `spread` covers both groups' ranks."""
+        """`rows` merged over the group, row `i` as `policy(keys[i])` says (one policy per part, for
+        a merge over `parts`). `inner`: the merge these rows just went through over another group
+        (tensor parallel before data parallel): its spread is carried on, so `spread` covers both
+        groups' ranks."""
         if self.world == 1:
             return rows
         checksum = layout_checksum(keys) if checksum is None else checksum
-        plan = self._plan(checksum, keys, policy, rows.device)
+        policies = [policy] if callable(policy) else list(policy)
+        plan = self._plan(checksum, keys, policies, rows.device)
         values = rows.to(torch.float64)
         carried = inner.reduced if inner is not None else None
         self.spread_world = self.world * (inner.spread_world if carried is not None else 1)
@@ -157,17 +195,17 @@ class GroupMerge:
         part = rows[plan.sent]
         sums = part[:, plan.sums]
         maxes, mins = order_key(part[:, plan.maxes]), order_key(-part[:, plan.mins])
-        if plan.once is not None and self.rank != 0:  # copies: the first rank's row only
-            sums = torch.where(plan.once[:, None], -0.0, sums)
-            maxes = torch.where(plan.once[:, None], NO_KEY, maxes)
-            mins = torch.where(plan.once[:, None], NO_KEY, mins)
+        if plan.idle is not None:  # copies another rank gives: the identities
+            sums = torch.where(plan.idle[:, None], -0.0, sums)
+            maxes = torch.where(plan.idle[:, None], NO_KEY, maxes)
+            mins = torch.where(plan.idle[:, None], NO_KEY, mins)
         sum_parts, max_parts = [sums.flatten()], [maxes.flatten(), mins.flatten()]
         if plan.auto is not None:
             auto = part[plan.auto]
-            first = auto[:, plan.sums] if self.rank == 0 else torch.full_like(auto[:, plan.sums], -0.0)
-            hashes = row_hash(auto)
-            sum_parts.append(first.flatten())
-            max_parts += [hashes, -hashes]
+            first = auto[:, plan.sums]
+            if plan.auto_idle is not None:
+                first = torch.where(plan.auto_idle[:, None], -0.0, first)
+            sum_parts += [first.flatten(), (self._pieces(row_hash(auto)) * plan.auto_weight[:, None]).flatten()]
         if carried is None:
             scalars = self._scalars(plan, rows)
             carried = (torch.cat([scalars, (scalars[:1] > 0).to(torch.float64)]),
@@ -183,15 +221,14 @@ class GroupMerge:
         merged[:, plan.maxes] = from_key(maxes[:sent * mx]).view(sent, mx)
         merged[:, plan.mins] = -from_key(maxes[sent * mx:sent * (mx + mn)]).view(sent, mn)
         at_sum, at_max = sent * s, sent * (mx + mn)
-        if plan.auto is not None:  # replicated (hash max == hash min): the first rank's sums
-            a = len(plan.auto)
+        if plan.auto is not None:  # replicated in every group (each check sums to 0): the first copies' sums
+            a, p = len(plan.auto), self._pieces.count
             first = sums[at_sum:at_sum + a * s].view(a, s)
-            hashes, negated = maxes[at_max:at_max + a], maxes[at_max + a:at_max + 2 * a]
-            replicated = hashes == -negated
+            replicated = (sums[at_sum + a * s:at_sum + a * (s + p)].view(a, p) == 0).all(dim=1)
             sub = merged[plan.auto]
             sub[:, plan.sums] = torch.where(replicated[:, None], first, sub[:, plan.sums])
             merged[plan.auto] = sub
-            at_sum, at_max = at_sum + a * s, at_max + 2 * a
+            at_sum += a * (s + p)
         self.reduced = (sums[at_sum:], maxes[at_max + 4:])
         self.spread = self._spread(*self.reduced)
         out = rows.clone()
@@ -219,22 +256,32 @@ class GroupMerge:
         world = torch.full((1,), float(self.spread_world), dtype=torch.float64, device=sums.device)
         return torch.cat([world, parts.flatten(), sums[n:n + 1]])
 
-    def _plan(self, checksum: int, keys: Sequence[MetricKey], policy: Policy, device: torch.device) -> _Plan:
+    def _plan(self, checksum: int, keys: Sequence[MetricKey], policies: Sequence[Policy],
+              device: torch.device) -> _Plan:
         """What a layout sends, built once per layout."""
         plan = self._plans.get(checksum)
         if plan is None:
-            kinds = [policy(key) for key in keys]
-            sent = [i for i, k in enumerate(kinds) if k != LOCAL]
-            once = [kinds[i] == ONCE for i in sent]
-            auto = [j for j, i in enumerate(sent) if kinds[i] == AUTO]
+            kinds = [tuple(policy(key) for policy in policies) for key in keys]
+            sent = [i for i, k in enumerate(kinds) if set(k) != {LOCAL}]
+            if any(LOCAL in kinds[i] or AUTO in kinds[i][1:] for i in sent):
+                raise ValueError("GroupMerge: over several parts, a row is LOCAL over all of them or none, and "
+                                 "AUTO over the first only")
+            gives = [all(kind != ONCE or rank == 0 for kind, (rank, _) in zip(kinds[i], self.parts)) for i in sent]
+            auto = [j for j, i in enumerate(sent) if kinds[i][0] == AUTO]
+            first_rank, first_size = self.parts[0]
+            weight = float(1 - first_size if first_rank == 0 else 1)  # the first copy minus the others
 
             def index(positions: list[int]) -> torch.Tensor:
                 return torch.tensor(positions, dtype=torch.long, device=device)
 
+            def mask(flags: list[bool]) -> torch.Tensor | None:
+                return torch.tensor(flags, device=device) if any(flags) else None
+
             plan = self._plans[checksum] = _Plan(
-                index(sent), torch.tensor(once, device=device) if any(once) else None,
-                index(auto) if auto else None,
-                index([i for i, k in enumerate(keys) if k.kind == "grad" and kinds[i] == ONCE]),
+                index(sent), mask([not g for g in gives]), index(auto) if auto else None,
+                mask([not gives[j] or first_rank != 0 for j in auto]),
+                torch.tensor([weight if gives[j] else 0.0 for j in auto], dtype=torch.float64, device=device),
+                index([i for i, k in enumerate(keys) if k.kind == "grad" and kinds[i][0] == ONCE]),
                 index([i for i, k in enumerate(keys) if k.kind == "train" and k.path == "loss"]),
                 merge_indices("sum"), merge_indices("max"), merge_indices("min"))
         return plan
@@ -247,6 +294,67 @@ class GroupMerge:
         rows[:, P_SUM] = self.spread
         rows[:, P_NUMEL] = 1.0
         return rows
+
+
+class NestedMerge:
+    """Rows merged over nested process groups (`parts`: (group, name, policy), inner first: tensor,
+    then data parallel; or expert data, then expert parallel), as one `GroupMerge` per part in turn
+    would merge them: in one pair of all-reduces over `stage`, the group of all their ranks, where
+    every row allows it (none `LOCAL` over some parts only); else, and without a `stage`, part by
+    part (a pair per part). Parts of one rank are left out."""
+
+    def __init__(self, parts: Sequence[tuple[object, str, Policy]], stage: object = None) -> None:
+        parts = [part for part in parts if dist.get_world_size(part[0]) > 1]
+        self.policies = [policy for _, _, policy in parts]
+        self.chain = [GroupMerge(group, what) for group, what, _ in parts]
+        self.whole: GroupMerge | None = self.chain[0] if len(parts) == 1 else None
+        groups = [group for group, _, _ in parts]
+        if len(parts) > 1 and stage is not None and _product_of(stage, groups):
+            self.whole = GroupMerge(stage, " x ".join(what for _, what, _ in parts), groups)
+        self._whole_fits: dict[int, bool] = {}
+        self.last: GroupMerge | None = None  # the merge of the last call (its spread covers every part)
+
+    def __call__(self, keys: Sequence[MetricKey], rows: torch.Tensor, checksum: int | None = None) -> torch.Tensor:
+        """`rows` merged over every part, as the parts' policies say."""
+        checksum = layout_checksum(keys) if checksum is None else checksum
+        if self.whole is not None and self._fits(checksum, keys):
+            self.last = self.whole
+            return self.whole(keys, rows, self.policies, checksum)
+        return self.by_group(keys, rows, checksum)
+
+    def by_group(self, keys: Sequence[MetricKey], rows: torch.Tensor, checksum: int,
+                 first: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+        """`rows` merged part by part (a pair of all-reduces each); `first` in place of the first
+        part's merge (one that watches it: `megatron.tp_split`)."""
+        inner = None
+        for at, (merge, policy) in enumerate(zip(self.chain, self.policies)):
+            merge = first if at == 0 and first is not None else merge
+            rows, inner = merge(keys, rows, policy, checksum, inner=inner), merge
+        self.last = inner
+        return rows
+
+    def spread_rows(self) -> torch.Tensor | None:
+        """The last call's spread over every part's ranks (`GroupMerge.spread_rows`)."""
+        return self.last.spread_rows() if self.last is not None else None
+
+    def _fits(self, checksum: int, keys: Sequence[MetricKey]) -> bool:
+        """Whether `whole` can merge this layout: no row `LOCAL` over some parts only (once per layout)."""
+        if checksum not in self._whole_fits:
+            kinds = (tuple(policy(key) for policy in self.policies) for key in keys)
+            self._whole_fits[checksum] = len(self.policies) == 1 or all(
+                len(set(k)) == 1 or LOCAL not in k for k in kinds)
+        return self._whole_fits[checksum]
+
+
+def _product_of(stage: object, parts: Sequence[object]) -> bool:
+    """Whether `stage` holds this rank's groups `parts` and as many ranks as their product (a grid)."""
+    members = set(dist.get_process_group_ranks(stage or dist.group.WORLD))
+    size = 1
+    for part in parts:
+        size *= dist.get_world_size(part)
+        if not members >= set(dist.get_process_group_ranks(part or dist.group.WORLD)):
+            return False
+    return size == len(members)
 
 
 def agree(decision: "StepDecision", group: object, device: torch.device) -> "StepDecision":
