@@ -191,14 +191,19 @@ def culprit(tmp_path, step: int) -> dict:
 
 
 @pytest.mark.slow
-def test_an_injected_forward_nan_names_the_same_culprit_as_eager(tmp_path):
-    layer = "layers.1.mlp.0"
+@pytest.mark.parametrize("phase, layer", [("forward", "layers.1.mlp.0"), ("backward", "layers.1.mlp.2")])
+def test_an_injected_nan_names_the_same_culprit_as_eager(tmp_path, phase, layer):
+    """A backward fault under compile: the step's rows note no call graph, so the culprit is
+    searched in the eager replay's rows (`"from": "replay"`)."""
     named = {}
     for mode in ("eager", "compiled"):
         torch._dynamo.reset()
         model, opt = gpt_and_adam()
         monitor = None
-        inject(model, layer, lambda: monitor.step, 2, "nan")
+        if phase == "forward":
+            inject(model, layer, lambda: monitor.step, 2, "nan")
+        else:
+            inject_backward(model, layer, lambda: monitor.step, 2, "nan", "function")
         out = tmp_path / mode
         monitor = TorchMonitor(model, opt, incident_config(out, watch={"activation_grads": True}))
         if mode == "compiled":
@@ -206,31 +211,15 @@ def test_an_injected_forward_nan_names_the_same_culprit_as_eager(tmp_path):
         run_incident_steps(model, opt, monitor, 4)
         monitor.close()
         found = culprit(out, 2)
-        named[mode] = (found["phase"], found["call"])
-        assert found["first_bad"].startswith(f"actv/{layer}/output")
-    assert named["compiled"] == named["eager"] == ("forward", layer)
-
-
-@pytest.mark.slow
-def test_an_injected_backward_nan_names_the_same_culprit_as_eager(tmp_path):
-    """Under compile the step's rows note no call graph: the culprit is searched in the eager replay's."""
-    layer = "layers.1.mlp.2"
-    named = {}
-    for mode in ("eager", "compiled"):
-        torch._dynamo.reset()
-        model, opt = gpt_and_adam()
-        monitor = None
-        inject_backward(model, layer, lambda: monitor.step, 2, "nan", "function")
-        out = tmp_path / mode
-        monitor = TorchMonitor(model, opt, incident_config(out, watch={"activation_grads": True}))
-        if mode == "compiled":
-            model.forward = torch.compile(model.forward)
-        run_incident_steps(model, opt, monitor, 4)
-        monitor.close()
-        found = culprit(out, 2)
-        named[mode] = (found["phase"], found["call"], found["dump_entry"], found.get("from"))
-    assert named["eager"] == ("backward", layer, f"Module.{layer}.Linear.backward.0", None)
-    assert named["compiled"] == (*named["eager"][:3], "replay")
+        named[mode] = (found["phase"], found["call"], found.get("from"))
+        if phase == "forward":
+            assert found["first_bad"].startswith(f"actv/{layer}/output")
+        else:
+            assert found["dump_entry"] == f"Module.{layer}.Linear.backward.0"
+    assert named["eager"] == (phase, layer, None)
+    assert named["compiled"][:2] == (phase, layer)
+    if phase == "backward":
+        assert named["compiled"][2] == "replay"
 
 
 def test_a_compiled_optimizer_step_runs_the_monitors_hooks_eagerly(tmp_path):

@@ -145,27 +145,38 @@ class RunTimeCall:
             self.fn(list(tensors), list(values))
 
 
-def partial_row(tensor: torch.Tensor, count_zeros: bool) -> torch.Tensor:
-    """The partial-statistics row (the columns of `stats.columns`, in row order) of `tensor`, float64, with tensor ops
-    only (traceable). Floating tensors of 32 bits or fewer are reduced in float32; the zero count
-    is nan unless `count_zeros`."""
+def partial_values(tensor: torch.Tensor, count_zeros: bool) -> dict[str, torch.Tensor]:
+    """The partial statistics of `tensor` by column name (0-d tensors), with tensor ops only
+    (traceable). Floating tensors of 32 bits or fewer are reduced in float32; the zero count is
+    nan unless `count_zeros`; columns not named here (registered ones) are measured eagerly only."""
     x = tensor.detach()
     x = x.double() if x.dtype == torch.float64 or not x.is_floating_point() else x.float()
-    nan = torch.isnan(x).sum()
-    zeros = (x == 0).sum().to(x.dtype) if count_zeros else torch.full((), math.nan, dtype=x.dtype, device=x.device)
-    numel = torch.scalar_tensor(x.numel(), dtype=x.dtype, device=x.device)
-    values = {"min": x.amin(), "max": x.amax(), "sum": x.sum(), "sumsq": (x * x).sum(), "nan_count": nan.to(x.dtype),
-              "inf_count": torch.isinf(x).sum().to(x.dtype), "zero_count": zeros, "numel": numel}
-    unmeasured = torch.full((), math.nan, dtype=x.dtype, device=x.device)  # registered columns: eager only
-    return torch.stack([values.get(c.name, unmeasured) for c in columns.columns()]).double()
+    values = {"min": x.amin(), "max": x.amax(), "sum": x.sum(), "sumsq": (x * x).sum(),
+              "nan_count": torch.isnan(x).sum(), "inf_count": torch.isinf(x).sum(),
+              "numel": torch.scalar_tensor(x.numel(), dtype=x.dtype, device=x.device)}
+    if count_zeros:
+        values["zero_count"] = (x == 0).sum()
+    return values
 
 
-def merge_into(target: torch.Tensor, row: torch.Tensor) -> None:
-    """Merge `row` into the buffer row `target`, in place (min, max, sums as the columns say)."""
-    merged = target + row
-    low, high = columns.merge_indices("min"), columns.merge_indices("max")
-    merged[low] = torch.minimum(target[low], row[low])
-    merged[high] = torch.maximum(target[high], row[high])
+def merge_into(target: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
+    """Merge `values` (`partial_values`) into the buffer row `target`, in place (min, max, sums
+    as the columns say), as one elementwise expression over the row: no stacked row, so inductor
+    makes no view per column (a wrapper call each, at every run of the graph)."""
+    column = torch.arange(target.numel(), device=target.device)
+    merged = torch.full_like(target, math.nan)  # a column no value is given for
+    for i, c in enumerate(columns.columns()):
+        value = values.get(c.name)
+        if value is None:
+            continue
+        value = value.to(target.dtype)
+        at = column == i
+        if c.merge == "min":
+            merged = torch.where(at, torch.minimum(target, value), merged)
+        elif c.merge == "max":
+            merged = torch.where(at, torch.maximum(target, value), merged)
+        else:
+            merged = torch.where(at, target + value, merged)
     target.copy_(merged)
 
 
@@ -181,7 +192,7 @@ class _GradTap(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         (target,) = ctx.saved_tensors
-        merge_into(target, partial_row(grad, ctx.count_zeros))
+        merge_into(target, partial_values(grad, ctx.count_zeros))
         return grad, None, None
 
 
@@ -219,7 +230,7 @@ class CompiledCapture:
     def record(self, kind: str, path: str, role: str, tensor: torch.Tensor) -> None:
         i = _slot(self.ident, kind, path, role)
         if i >= 0:
-            merge_into(self.buffer[i], partial_row(tensor, self.count_zeros))
+            merge_into(self.buffer[i], partial_values(tensor, self.count_zeros))
 
     def tap(self, kind: str, path: str, role: str, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor`, through an identity whose backward measures its gradient."""
@@ -243,7 +254,8 @@ class CompiledCapture:
         forward = [(k, i) for k, i in self.slots.items() if k.kind not in GRAD_KINDS]
         backward = [(k, i) for k, i in reversed(self.slots.items()) if k.kind in GRAD_KINDS]
         order = forward + backward
-        rows = torch.stack([self.buffer[i] for _, i in order])
-        torch._foreach_copy_(self.buffer, [self._empty] * len(self.buffer))
+        written = [self.buffer[i] for _, i in order]
+        rows = torch.stack(written)
+        torch._foreach_copy_(written, [self._empty] * len(written))
         keys = [k for k, _ in order]
         monitor.rows.add(monitor.step, keys, rows, remember=False, seconds=0.0, measured=len(keys))
