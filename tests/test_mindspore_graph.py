@@ -9,6 +9,7 @@ run without the monitor.
 """
 from __future__ import annotations
 
+import json
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -20,6 +21,7 @@ import pytest  # noqa: E402
 from mindspore import Parameter, Tensor, nn, ops  # noqa: E402
 from mindspore.train import Model  # noqa: E402
 
+from msprobe_engine.dump import iter_dump_tensors, load_dump  # noqa: E402
 from msprobe_engine.incident.actions import TrainingStopped  # noqa: E402
 from msprobe_integrations.mindspore import FiniteGate, MindSporeMonitor, MonitorCallback  # noqa: E402
 
@@ -104,8 +106,9 @@ def grad_fn_of(net, opt):
     return ms.value_and_grad(forward, None, opt.parameters)
 
 
-def train(how: str, tmp_path=None, poison_step: int = -1, sqrt: bool = False, **extra):
-    """Train STEPS steps `how`; returns (losses as bytes, the monitor's records or None)."""
+def train(how: str, tmp_path=None, poison_step: int = -1, sqrt: bool = False, replayed: bool = False, **extra):
+    """Train STEPS steps `how`; returns (losses as bytes, the monitor's records or None).
+    `replayed`: each step (its step end inside) runs through `run_step`, so an incident replays it."""
     ms.set_context(mode=ms.PYNATIVE_MODE if how in ("pynative", "jit") else ms.GRAPH_MODE)
     try:
         net, opt = make(sqrt)
@@ -124,10 +127,12 @@ def train(how: str, tmp_path=None, poison_step: int = -1, sqrt: bool = False, **
                 step = ms.jit(step)
         else:
             step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), opt, return_grad=True)
+        if replayed and monitor is not None:
+            step = replayable_step(monitor, step)
         for i, (x, y) in enumerate(batches()):
             net.poison.set(i == poison_step)
             loss, grads = step(Tensor(x), Tensor(y))
-            if monitor is not None:
+            if monitor is not None and not replayed:
                 monitor.step_end(loss, grads)
             losses.append(loss.asnumpy().tobytes())
         if monitor is None:
@@ -136,6 +141,16 @@ def train(how: str, tmp_path=None, poison_step: int = -1, sqrt: bool = False, **
         return losses, list(monitor.monitor.history)
     finally:
         ms.set_context(mode=ms.PYNATIVE_MODE)
+
+
+def replayable_step(monitor, train_step):
+    """`train_step` and the step end (where a compiled step is decided) through `run_step`."""
+    @monitor.replayable
+    def step(x, y):
+        loss, grads = train_step(x, y)
+        monitor.step_end(loss, grads)
+        return loss, grads
+    return step
 
 
 def _model_train(net, opt, sink, tmp_path, poison_step, extra):
@@ -198,16 +213,35 @@ def test_a_jit_train_step_measures_activations_with_one_transfer_per_step(tmp_pa
     assert_same_activations(activation_metrics(history[0]), activation_metrics(pynative[1][0]))
 
 
+def incident_of(tmp_path, step: int) -> tuple[dict, object]:
+    """incident.json of the non_finite incident of `step`, and its directory."""
+    directory, = tmp_path.rglob(f"incidents/step{step}-rank0-non_finite")
+    return json.loads((directory / "incident.json").read_text()), directory
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["graph", "jit"])
-def test_a_nan_made_in_the_graph_is_named_at_its_cell(tmp_path, how):
-    _, history = train(how, tmp_path, poison_step=1, alerts=[{"rule": "non_finite", "action": "continue"}])
+def test_a_nan_made_in_the_graph_is_named_at_its_cell_and_the_step_replayed_in_pynative(tmp_path, how):
+    losses, history = train(how, tmp_path, poison_step=1, replayed=True,
+                            alerts=[{"rule": "non_finite", "action": "continue"}])
     records = {r.step: r for r in history}
     assert not records[0].alerts
     starts = [a for a in records[1].alerts if a.phase == "start"]
     assert (starts[0].rule, starts[0].tag) == ("non_finite", "actv/poison/output/nan_count")
     assert records[1].metrics["actv/halves/output.0/nan_count"] == 0  # the Cell before it was fine
     assert records[1].metrics["actv/poison/output/nan_count"] == 40
+    incident, directory = incident_of(tmp_path, 1)
+    assert (incident["culprit"]["call"], incident["culprit"]["dump_entry"]) == ("poison", "Cell.poison.Poison.forward.0")
+    replay = incident["replay"]
+    # run again eagerly from the step's own weights (restored): the same values, bitwise
+    assert replay["status"] == "reproducible" and all(check["identical"] for check in replay["checks"])
+    dump = load_dump(directory / replay["dump"])[(1, None)]
+    assert (dump.task, dump.meta["level"], dump.meta["framework"]) == ("tensor", "L0", "mindspore")
+    entry = dump.data["Cell.poison.Poison.forward.0"]
+    output, = [ref for ref in iter_dump_tensors({"data": {"e": entry}}) if ref.role == "output"]
+    assert np.isnan(dump.load_tensor(output)).sum() == 40
+    assert "Cell.fc1.Dense.backward.0" in dump.data
+    assert losses == train(how, poison_step=1)[0]  # the replay left no trace (weights, moments, counters)
 
 
 @pytest.mark.slow
@@ -215,13 +249,16 @@ def test_a_nan_made_in_the_backward_pass_is_named_as_pynative_names_it(tmp_path)
     alerts = [{"rule": "non_finite", "action": "continue"}]
     named = {}
     for how in ("pynative", "graph"):
-        _, history = train(how, tmp_path / how, sqrt=True, alerts=alerts)
+        _, history = train(how, tmp_path / how, sqrt=True, alerts=alerts, replayed=how == "graph")
         starts = [a for a in history[0].alerts if a.phase == "start"]
         named[how] = starts[0].tag
         forward = {k: v for k, v in history[0].metrics.items() if k.startswith("actv/") and k.endswith("_count")}
         assert not any(forward.values())  # the forward pass is finite
         assert all(np.isfinite(v) for k, v in history[0].metrics.items() if k.startswith("grad/"))
     assert named["graph"] == named["pynative"] == "actv_grad/relu/output/nan_count"
+    # the replay in PyNative sees which Cell read relu's output: the one whose backward made the nan
+    culprit = incident_of(tmp_path / "graph", 0)[0]["culprit"]
+    assert (culprit["call"], culprit["phase"], culprit["from"]) == ("sqrt", "backward", "replay")
 
 
 def optimizer_values(opt) -> dict[str, np.ndarray]:
