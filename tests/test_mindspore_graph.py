@@ -261,6 +261,42 @@ def test_a_nan_made_in_the_backward_pass_is_named_as_pynative_names_it(tmp_path)
     assert (culprit["call"], culprit["phase"], culprit["from"]) == ("sqrt", "backward", "replay")
 
 
+def l0_dump(how: str, path) -> None:
+    """An L0 statistics dump of two steps trained `how` (graph: taken inside the compiled graph)."""
+    from msprobe_engine.frameworks.mindspore.capture.session import MindSporePrecisionDebugger
+
+    ms.set_context(mode=ms.GRAPH_MODE if how == "graph" else ms.PYNATIVE_MODE)
+    try:
+        net, opt = make()
+        debugger = MindSporePrecisionDebugger({"task": "statistics", "dump_path": str(path), "level": "L0",
+                                               "strict": True})
+        train_net = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), opt, return_grad=True)
+        for x, y in batches(2):
+            debugger.start(net)
+            _, grads = train_net(Tensor(x), Tensor(y))
+            debugger.stop()
+            debugger.step(grads)
+        debugger.close()
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+
+
+@pytest.mark.slow
+def test_a_graph_mode_l0_dump_is_paired_with_a_pynative_one_by_the_predecessors_compare(tmp_path):
+    from tests.test_mindspore_predecessor import _their_compare
+
+    for how in ("graph", "pynative"):
+        l0_dump(how, tmp_path / how)
+    table = _their_compare(tmp_path / "graph" / "step1", tmp_path / "pynative" / "step1", tmp_path / "compare")
+    names = set(table["NPU Name"])
+    assert {"Cell.halves.Halves.forward.0.output.1", "Cell.fc2.Dense.forward.0.input.0",
+            "Cell.act.Tanh.backward.0.input.0", "Cell.fc1.Dense.parameters_grad.0.weight"} <= names
+    assert len(table) >= 21 and (table["NPU Name"] == table["Bench Name"]).all()  # every entry paired
+    assert set(table["Result"]) == {"pass"}
+    errors = table["NormRelativeErr"].astype(str).str.rstrip("%").astype(float)
+    assert (errors < 1e-3).all()  # in percent
+
+
 def optimizer_values(opt) -> dict[str, np.ndarray]:
     return {name: p.asnumpy().copy() for name, p in opt.parameters_and_names()}
 

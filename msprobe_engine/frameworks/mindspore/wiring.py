@@ -51,7 +51,9 @@ class CellWiring(Handles):
         cells = self.watched
         self.cells = CellHooks(monitor, net, cells, self.batch) if pynative else None
         count_zeros = "zero_count" in optional_columns(monitor.config.stats)
-        self.graph = GraphCapture(monitor, cells, count_zeros) if cells else None
+        watch = monitor.config.watch
+        wanted = (watch.module_outputs, watch.module_inputs, watch.activation_grads)
+        self.graph = GraphCapture(cells, wanted, count_zeros, monitor.warn) if cells else None
         self.optim = OptimizerState(monitor, net, optimizer, self.batch, hooks=pynative)
         self.optim.before_grads = self._compiled_forward
         super().__init__([part for part in (self.cells, self.graph, self.optim) if part is not None])
@@ -105,8 +107,12 @@ class CellWiring(Handles):
         self._forward_taken = True
         self.monitor.micro_step_begin()
         if self.graph is not None:
-            with self.monitor.guard("graph statistics"):
-                self.graph.harvest()
+            monitor = self.monitor
+            with monitor.guard("graph statistics"):
+                taken = self.graph.take(monitor.active)
+                if taken is not None:
+                    keys, rows = taken
+                    monitor.rows.add(monitor.step, keys, rows, remember=False, seconds=0.0, measured=len(keys))
 
     # ---- replays (`replay.MindSporeReplayHost`) -------------------------------------------------
     def _replay_host(self) -> MindSporeReplayHost | None:
