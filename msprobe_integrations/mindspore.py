@@ -77,6 +77,9 @@ class MindSporeMonitor(Integration):
     def step_end(self, loss: Any = None, grads: Any = None) -> StepRecord | None:
         """Close the optimizer step. `grads` (a tuple in optimizer-parameter order, or a
         {parameter name: grad} dict) is used only when the optimizer's hooks did not run."""
+        if self.monitor.replaying:  # a replayed step (`Monitor.run_step`): its rows go to the replay
+            self.wiring.replayed_step_end(loss, grads)
+            return None
         self.wiring.grads = grads
         try:
             return self.monitor.step_end(loss)

@@ -9,6 +9,7 @@ run without the monitor.
 """
 from __future__ import annotations
 
+import json
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -20,6 +21,7 @@ import pytest  # noqa: E402
 from mindspore import Parameter, Tensor, nn, ops  # noqa: E402
 from mindspore.train import Model  # noqa: E402
 
+from msprobe_engine.dump import iter_dump_tensors, load_dump  # noqa: E402
 from msprobe_engine.incident.actions import TrainingStopped  # noqa: E402
 from msprobe_integrations.mindspore import FiniteGate, MindSporeMonitor, MonitorCallback  # noqa: E402
 
@@ -104,8 +106,9 @@ def grad_fn_of(net, opt):
     return ms.value_and_grad(forward, None, opt.parameters)
 
 
-def train(how: str, tmp_path=None, poison_step: int = -1, sqrt: bool = False, **extra):
-    """Train STEPS steps `how`; returns (losses as bytes, the monitor's records or None)."""
+def train(how: str, tmp_path=None, poison_step: int = -1, sqrt: bool = False, replayed: bool = False, **extra):
+    """Train STEPS steps `how`; returns (losses as bytes, the monitor's records or None).
+    `replayed`: each step (its step end inside) runs through `run_step`, so an incident replays it."""
     ms.set_context(mode=ms.PYNATIVE_MODE if how in ("pynative", "jit") else ms.GRAPH_MODE)
     try:
         net, opt = make(sqrt)
@@ -124,10 +127,12 @@ def train(how: str, tmp_path=None, poison_step: int = -1, sqrt: bool = False, **
                 step = ms.jit(step)
         else:
             step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), opt, return_grad=True)
+        if replayed and monitor is not None:
+            step = replayable_step(monitor, step)
         for i, (x, y) in enumerate(batches()):
             net.poison.set(i == poison_step)
             loss, grads = step(Tensor(x), Tensor(y))
-            if monitor is not None:
+            if monitor is not None and not replayed:
                 monitor.step_end(loss, grads)
             losses.append(loss.asnumpy().tobytes())
         if monitor is None:
@@ -136,6 +141,16 @@ def train(how: str, tmp_path=None, poison_step: int = -1, sqrt: bool = False, **
         return losses, list(monitor.monitor.history)
     finally:
         ms.set_context(mode=ms.PYNATIVE_MODE)
+
+
+def replayable_step(monitor, train_step):
+    """`train_step` and the step end (where a compiled step is decided) through `run_step`."""
+    @monitor.replayable
+    def step(x, y):
+        loss, grads = train_step(x, y)
+        monitor.step_end(loss, grads)
+        return loss, grads
+    return step
 
 
 def _model_train(net, opt, sink, tmp_path, poison_step, extra):
@@ -178,8 +193,10 @@ def pynative(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["graph", "jit", "model", "model-sink"])
+@pytest.mark.parametrize("how", ["graph", "jit", "model-sink"])
 def test_compiled_activation_statistics_equal_pynative_and_losses_are_unchanged(tmp_path, pynative, how):
+    """`model-sink`: Model.train with dataset sink mode, against the run without the monitor and
+    without sink mode (which MindSpore's CPU backend does not honour: the same graph)."""
     losses, history = train(how, tmp_path / "on")
     reference_losses, reference = pynative
     assert [r.step for r in history] == list(range(STEPS))
@@ -188,7 +205,7 @@ def test_compiled_activation_statistics_equal_pynative_and_losses_are_unchanged(
         assert "actv/halves/output.1/norm" in got and "actv_grad/fc1/output/norm" in got
         assert "actv/fc2/input.0/max" in got
         assert_same_activations(got, activation_metrics(want))
-    without, _ = train(how)
+    without, _ = train("model" if how == "model-sink" else how)
     assert losses == without  # bitwise: the taps change no value the step computes
 
 
@@ -198,16 +215,36 @@ def test_a_jit_train_step_measures_activations_with_one_transfer_per_step(tmp_pa
     assert_same_activations(activation_metrics(history[0]), activation_metrics(pynative[1][0]))
 
 
+def incident_of(tmp_path, step: int) -> tuple[dict, object]:
+    """incident.json of the non_finite incident of `step`, and its directory."""
+    directory, = tmp_path.rglob(f"incidents/step{step}-rank0-non_finite")
+    return json.loads((directory / "incident.json").read_text()), directory
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["graph", "jit"])
-def test_a_nan_made_in_the_graph_is_named_at_its_cell(tmp_path, how):
-    _, history = train(how, tmp_path, poison_step=1, alerts=[{"rule": "non_finite", "action": "continue"}])
+def test_a_nan_made_in_the_graph_is_named_at_its_cell_and_the_step_replayed_in_pynative(tmp_path, how):
+    losses, history = train(how, tmp_path, poison_step=1, replayed=True,
+                            alerts=[{"rule": "non_finite", "action": "continue"}])
     records = {r.step: r for r in history}
     assert not records[0].alerts
     starts = [a for a in records[1].alerts if a.phase == "start"]
     assert (starts[0].rule, starts[0].tag) == ("non_finite", "actv/poison/output/nan_count")
     assert records[1].metrics["actv/halves/output.0/nan_count"] == 0  # the Cell before it was fine
     assert records[1].metrics["actv/poison/output/nan_count"] == 40
+    incident, directory = incident_of(tmp_path, 1)
+    assert (incident["culprit"]["call"], incident["culprit"]["dump_entry"]) == ("poison", "Cell.poison.Poison.forward.0")
+    replay = incident["replay"]
+    # run again eagerly from the step's own weights (restored): the same values, bitwise
+    assert replay["status"] == "reproducible" and all(check["identical"] for check in replay["checks"])
+    dump = load_dump(directory / replay["dump"])[(1, None)]
+    assert (dump.task, dump.meta["level"], dump.meta["framework"]) == ("tensor", "L0", "mindspore")
+    entry = dump.data["Cell.poison.Poison.forward.0"]
+    output, = [ref for ref in iter_dump_tensors({"data": {"e": entry}}) if ref.role == "output"]
+    assert np.isnan(dump.load_tensor(output)).sum() == 40
+    assert "Cell.fc1.Dense.backward.0" in dump.data
+    if how == "graph":  # the replay left no trace (weights, moments, counters)
+        assert losses == train(how, poison_step=1)[0]
 
 
 @pytest.mark.slow
@@ -215,13 +252,52 @@ def test_a_nan_made_in_the_backward_pass_is_named_as_pynative_names_it(tmp_path)
     alerts = [{"rule": "non_finite", "action": "continue"}]
     named = {}
     for how in ("pynative", "graph"):
-        _, history = train(how, tmp_path / how, sqrt=True, alerts=alerts)
+        _, history = train(how, tmp_path / how, sqrt=True, alerts=alerts, replayed=how == "graph")
         starts = [a for a in history[0].alerts if a.phase == "start"]
         named[how] = starts[0].tag
         forward = {k: v for k, v in history[0].metrics.items() if k.startswith("actv/") and k.endswith("_count")}
         assert not any(forward.values())  # the forward pass is finite
         assert all(np.isfinite(v) for k, v in history[0].metrics.items() if k.startswith("grad/"))
     assert named["graph"] == named["pynative"] == "actv_grad/relu/output/nan_count"
+    # the replay in PyNative sees which Cell read relu's output: the one whose backward made the nan
+    culprit = incident_of(tmp_path / "graph", 0)[0]["culprit"]
+    assert (culprit["call"], culprit["phase"], culprit["from"]) == ("sqrt", "backward", "replay")
+
+
+def l0_dump(how: str, path) -> None:
+    """An L0 statistics dump of two steps trained `how` (graph: taken inside the compiled graph)."""
+    from msprobe_engine.frameworks.mindspore.capture.session import MindSporePrecisionDebugger
+
+    ms.set_context(mode=ms.GRAPH_MODE if how == "graph" else ms.PYNATIVE_MODE)
+    try:
+        net, opt = make()
+        debugger = MindSporePrecisionDebugger({"task": "statistics", "dump_path": str(path), "level": "L0",
+                                               "strict": True})
+        train_net = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), opt, return_grad=True)
+        for x, y in batches(2):
+            debugger.start(net)
+            _, grads = train_net(Tensor(x), Tensor(y))
+            debugger.stop()
+            debugger.step(grads)
+        debugger.close()
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+
+
+@pytest.mark.slow
+def test_a_graph_mode_l0_dump_is_paired_with_a_pynative_one_by_the_predecessors_compare(tmp_path):
+    from tests.test_mindspore_predecessor import _their_compare
+
+    for how in ("graph", "pynative"):
+        l0_dump(how, tmp_path / how)
+    table = _their_compare(tmp_path / "graph" / "step1", tmp_path / "pynative" / "step1", tmp_path / "compare")
+    names = set(table["NPU Name"])
+    assert {"Cell.halves.Halves.forward.0.output.1", "Cell.fc2.Dense.forward.0.input.0",
+            "Cell.act.Tanh.backward.0.input.0", "Cell.fc1.Dense.parameters_grad.0.weight"} <= names
+    assert len(table) >= 21 and (table["NPU Name"] == table["Bench Name"]).all()  # every entry paired
+    assert set(table["Result"]) == {"pass"}
+    errors = table["NormRelativeErr"].astype(str).str.rstrip("%").astype(float)
+    assert (errors < 1e-3).all()  # in percent
 
 
 def optimizer_values(opt) -> dict[str, np.ndarray]:

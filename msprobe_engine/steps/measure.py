@@ -52,8 +52,8 @@ class Measurer:
             rows = backend.pick([own[key] if prior is None else own.get(prior) or rows_waiting.last[prior]
                                  for key, prior in zip(keys, same)])
         if self.tensor_meta is not None:
-            self.tensor_meta.update((key, (t.dtype, t.shape, getattr(t, "requires_grad", False)))
-                                    for key, t in zip(keys, tensors))
+            meta = getattr(backend, "tensor_meta", tensor_meta)
+            self.tensor_meta.update((key, meta(t)) for key, t in zip(keys, tensors))
         rows_waiting.add(self.clock.step, keys, rows, remember=bool(same), seconds=time.perf_counter() - started,
                          measured=len(measured))
 
@@ -65,3 +65,9 @@ class Measurer:
         if self.pipeline.backend is None:  # no framework seen yet: the number is measured on the host
             self.find_backend(value)
         return self.pipeline.backend.scalar(value)
+
+
+def tensor_meta(tensor: Any) -> tuple:
+    """(dtype, shape, requires_grad) of a measured tensor, for incidents' dump.json (a backend may
+    give its own `tensor_meta`)."""
+    return tensor.dtype, tensor.shape, getattr(tensor, "requires_grad", False)

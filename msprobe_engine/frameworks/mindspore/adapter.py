@@ -15,6 +15,7 @@ from msprobe_engine.frameworks.mindspore import backend
 
 if TYPE_CHECKING:
     from msprobe_engine.contract import MonitorPort
+    from msprobe_engine.frameworks.mindspore.replay import MindSporeReplayHost
     from msprobe_engine.frameworks.mindspore.wiring import CellWiring
 
 
@@ -32,8 +33,10 @@ class MindSporeFramework:
         from msprobe_engine.frameworks.mindspore.wiring import CellWiring
         return [CellWiring(monitor, model, optimizer)]
 
-    def replay_host(self) -> None:
-        return None
+    def replay_host(self) -> "MindSporeReplayHost":
+        """Replays in PyNative mode, also of a compiled step (`replay.MindSporeReplayHost`)."""
+        from msprobe_engine.frameworks.mindspore.replay import MindSporeReplayHost
+        return MindSporeReplayHost()
 
     def dump_session(self) -> type:
         from msprobe_engine.frameworks.mindspore.capture.session import MindSporePrecisionDebugger

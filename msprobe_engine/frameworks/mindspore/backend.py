@@ -114,6 +114,12 @@ def _builtin_stats(tensors: Sequence[Measured], count_zeros: bool) -> Tensor:
     return _rows(ms.mutable(inputs), layout, differences, len(empty), gather, count_zeros)
 
 
+def tensor_meta(tensor: Measured) -> tuple:
+    """(dtype, shape, False) for incidents' dump.json, whose MindSpore format has no requires_grad
+    (reading a Parameter's waits for the device work queued before it: a sync per tensor)."""
+    return tensor.dtype, tensor.shape, False
+
+
 def concat(rows: Sequence[Tensor]) -> Tensor:
     """Pack the step's row blocks into one tensor."""
     return ops.cat(list(rows)) if len(rows) > 1 else rows[0]

@@ -24,9 +24,10 @@ Names are those of the torch side: `actv/<cell path>/output`, `grad/<param>`,
 """
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
@@ -35,9 +36,11 @@ from msprobe_engine.frameworks.mindspore.backend import Difference, Measured
 from msprobe_engine.collect.flatten import iter_tensors
 from msprobe_engine.collect.selection import ModuleFilter
 from msprobe_engine.handles import Handles
+from msprobe_engine.incident.graph import INPUT_GRAD_KIND, INPUT_KIND
 from msprobe_engine.stats.table import MetricKey
 
 if TYPE_CHECKING:
+    from msprobe_engine.incident.graph import CallGraph
     from msprobe_engine.monitor import Monitor
 
 
@@ -55,6 +58,10 @@ def jit_safe(action: Callable[..., None]) -> Callable[..., None]:
         opaque(*args)
 
     return hook
+
+
+#: the dtypes that have gradients
+FLOATING = (ms.float16, ms.bfloat16, ms.float32, ms.float64)
 
 
 def is_tensor(value: Any) -> bool:
@@ -106,12 +113,14 @@ def watched_cells(monitor: "Monitor", net: nn.Cell) -> list[tuple[str, nn.Cell]]
 
 class CellHooks(Handles):
     """Forward hooks on the watched Cells `cells` of `net` (`watched_cells`), and gradient hooks
-    on their outputs."""
+    on their outputs. With `graph` (a replay's hooks), what each call read goes into it (`_note`),
+    so that a replay names the culprit of a backward anomaly (`incident.culprit`)."""
 
     def __init__(self, monitor: "Monitor", net: nn.Cell, cells: list[tuple[str, nn.Cell]],
-                 batch: TensorBatch) -> None:
+                 batch: TensorBatch, graph: "CallGraph | None" = None) -> None:
         self.monitor = monitor
         self.batch = batch
+        self.graph = graph
         watch = monitor.config.watch
         self.inputs = watch.module_inputs
         self.outputs = watch.module_outputs
@@ -151,9 +160,24 @@ class CellHooks(Handles):
                 keys.append(MetricKey("actv", name, role))
                 tensors.append(t)
         self.batch.add(keys, tensors)
+        if self.graph is not None:
+            self._note(name, args)
         if self.grads:
             for role, t in found:
                 t.register_hook(partial(self._on_grad, MetricKey("actv_grad", name, role)))
+
+    def _note(self, name: str, args: tuple) -> None:
+        """Into `graph`: the rows of what call `name` read (its positional inputs, hidden
+        ``actv_in`` rows unless inputs are watched), and gradient hooks on those inputs (hidden
+        ``actv_in_grad`` rows): the first bad one in backward order names the call whose backward
+        made it (tensor identity cannot link a Cell's output to its reader's input here: a
+        backward hook on a Cell, such as a tensor dump's, gives its reader a copy)."""
+        reads = {}
+        for role, t in iter_tensors(dict(enumerate(args)), "input", is_tensor):
+            reads[role] = MetricKey("actv" if self.inputs else INPUT_KIND, name, role)
+            if t.dtype in FLOATING:
+                t.register_hook(partial(self._on_grad, MetricKey(INPUT_GRAD_KIND, name, role)))
+        self.graph.reads[name] = reads
 
     def _on_grad(self, key: MetricKey, grad: Tensor) -> Tensor:
         where = f"gradient hook of {key.path}"
@@ -234,11 +258,9 @@ class OptimizerState(Handles):
         monitor = self.monitor
         if monitor.active:
             with monitor.guard("optimizer pre-step"):
-                if monitor.config.watch.param_grads and grads is not None:
-                    named = self._named_grads(grads)
-                    self.batch.add([MetricKey("grad", n) for n, _ in named], [g for _, g in named])
-                if monitor.decide_early:
-                    self.batch.flush()
+                self.measure_grads(grads)
+                if monitor.decide_early or getattr(monitor.replay_host, "step_call", False):
+                    self.batch.flush()  # the decision comes now
         self.stepped = True
         if monitor.before_optimizer_step().skip:  # a `stop` rule raises out of it instead
             if hooked:
@@ -248,10 +270,15 @@ class OptimizerState(Handles):
                              "hook ran) or without an optimizer; it was applied, unless a FiniteGate around the "
                              "optimizer skipped it inside the graph (non-finite gradients)")
 
+    def measure_grads(self, grads: Any) -> None:
+        """The parameter gradients `grads` (see `before_step`) into the step's batch, when watched."""
+        if self.monitor.config.watch.param_grads and grads is not None:
+            named = self._named_grads(grads)
+            self.batch.add([MetricKey("grad", n) for n, _ in named], [g for _, g in named])
+
     def optimizer_state(self) -> HeldState:
         """Copies of every Parameter of the optimizer Cell (weights, moments, step counters)."""
-        params = [p for _, p in self.optimizer.parameters_and_names()]
-        return list(zip(params, _copies(ms.mutable(tuple(params)))))
+        return held_copies([p for _, p in self.optimizer.parameters_and_names()])
 
     def after_step(self) -> None:
         """After the optimizer step: parameters, optimizer state and the update. A skipped step
@@ -263,14 +290,26 @@ class OptimizerState(Handles):
                 ops.assign(param, copy)
         if monitor.active:
             with monitor.guard("optimizer post-step"):
-                self._read_after_step()
+                self.read_after_step()
         monitor.after_optimizer_step()
 
     def snapshot(self) -> None:
         """Copy the parameters (when this step is monitored and the update is wanted),
         to measure the update of the coming optimizer step."""
         if self.update and self.params and self.monitor.active:
-            self._before = _copies(ms.mutable(tuple(p for _, p in self.params)))
+            self._before = parameter_copies(ms.mutable(tuple(p for _, p in self.params)))
+
+    @contextlib.contextmanager
+    def set_aside(self) -> Iterator[None]:
+        """While a step is replayed: the real step's `stepped` and update snapshot kept aside, the
+        replay gets its own."""
+        held = self.stepped, self._before
+        self.stepped = False
+        self.snapshot()
+        try:
+            yield
+        finally:
+            self.stepped, self._before = held
 
     def _pre_hook(self, cell: nn.Cell, args: tuple) -> None:
         self.before_grads()
@@ -291,7 +330,8 @@ class OptimizerState(Handles):
             return []
         return [(n, g) for n, g in zip(self.order, grads) if n is not None and is_tensor(g)]
 
-    def _read_after_step(self) -> None:
+    def read_after_step(self) -> None:
+        """The parameters, optimizer state and update after the optimizer step, into the batch."""
         keys: list[MetricKey] = []
         tensors: list[Measured] = []
         if self.read_params:
@@ -321,8 +361,13 @@ class OptimizerState(Handles):
         return states
 
 
+def held_copies(params: list[Parameter]) -> HeldState:
+    """(Parameter, a copy of its value) for each of `params` (one compiled launch)."""
+    return list(zip(params, parameter_copies(ms.mutable(tuple(params))))) if params else []
+
+
 @ms.jit
-def _copies(params):
+def parameter_copies(params):
     """Copies of `params` (one compiled launch; eager copies cost one dispatch each)."""
     return tuple(ops.deepcopy(p) for p in params)
 

@@ -13,8 +13,9 @@ Called eagerly (PyNative, no `jit`), the subclass's `__call__` marks the Cell as
 Python and its `construct` is the original one: the Cell hooks measure as before. The mark is
 read as a constant when MindSpore compiles the Cell, where it is always False.
 
-Once a step, at its end (`harvest`), the written rows are gathered and the Parameter reset in
-one compiled launch, and handed to the monitor as rows of the step under PyNative's names
+Once a step, at its end (`take`), the written rows are gathered and the Parameter reset in
+one compiled launch, and handed to the monitor (`wiring`) or a dump (`capture.graph_recorder`)
+as rows of the step under PyNative's names
 (`actv/<path>/output`, `output.<i>` for a tuple's items, `input.<i>`, `actv_grad/...`): the
 forward rows in the order the graph wrote them, then the gradient rows, the Cells in reverse
 order; they travel with the step's one host transfer. Which slots a graph writes is learned from one
@@ -28,18 +29,15 @@ compiled: a net compiled before the monitor was attached keeps its graph (a warn
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from msprobe_engine.frameworks.mindspore.graph_rows import buffer_rows, tensor_row, write, written
+from msprobe_engine.frameworks.mindspore.graph_rows import buffer_rows, meta_of, tensor_meta, tensor_row, write, written
 from msprobe_engine.stats import columns
 from msprobe_engine.stats.table import MetricKey
-
-if TYPE_CHECKING:
-    from msprobe_engine.contract import MonitorPort
 
 #: tensors of a tuple measured per Cell and role (the rest are not)
 ROWS_PER_CELL = 4
@@ -73,7 +71,7 @@ class GradTap(nn.Cell):
         return x
 
     def bprop(self, x, slot, out, dout):
-        done = write(self._msprobe_holder.buffer, slot, tensor_row(dout, self.count_zeros))
+        done = write(self._msprobe_holder.buffer, slot, tensor_row(dout, self.count_zeros), tensor_meta(dout))
         return ops.depend(dout, done), ops.zeros_like(slot)
 
 
@@ -81,12 +79,14 @@ def _record(buffer, first, value, count_zeros):
     """`value` (a tensor, or a tuple/list whose tensors are measured) kept after its rows are
     written from slot `first` (a bare tensor) or `first + 1 + i` (item i)."""
     if isinstance(value, Tensor):
-        return ops.depend(value, write(buffer, Tensor(first, ms.int32), tensor_row(value, count_zeros)))
+        return ops.depend(value, write(buffer, Tensor(first, ms.int32), tensor_row(value, count_zeros),
+                                       tensor_meta(value)))
     if isinstance(value, (tuple, list)):
         for i in range(min(len(value), ROWS_PER_CELL)):
             item = value[i]
             if isinstance(item, Tensor):
-                value = ops.depend(value, write(buffer, Tensor(first + 1 + i, ms.int32), tensor_row(item, count_zeros)))
+                value = ops.depend(value, write(buffer, Tensor(first + 1 + i, ms.int32), tensor_row(item, count_zeros),
+                                                tensor_meta(item)))
     return value
 
 
@@ -141,18 +141,23 @@ _TAP_ATTRIBUTES = ("_msprobe_eager", "_msprobe_buffer", "_msprobe_zeros", "_mspr
 
 
 class GraphCapture:
-    """The taps on the watched Cells `cells` ([(path, cell)]) of one monitor, their statistics
-    Parameter, and the step's harvest. `remove()` gives every Cell its own class back."""
+    """The taps on the Cells `cells` ([(path, cell)]), their statistics Parameter, and each step's
+    rows (`take`). `wanted`: (outputs, inputs, output gradients) to measure; `warn`: says what
+    went wrong, once. `remove()` gives every Cell its own class back. A Cell another capture
+    taps already (the monitor's and a dump's on one net) keeps that one's taps and is left out."""
 
-    def __init__(self, monitor: "MonitorPort", cells: list[tuple[str, nn.Cell]], count_zeros: bool) -> None:
-        self.monitor = monitor
-        watch = monitor.config.watch
-        wanted = {"_msprobe_out": watch.module_outputs, "_msprobe_in": watch.module_inputs,
-                  "_msprobe_grad": watch.activation_grads}
+    def __init__(self, cells: list[tuple[str, nn.Cell]], wanted: tuple[bool, bool, bool], count_zeros: bool,
+                 warn: Callable[[str], None]) -> None:
+        self.warn = warn
+        wanted_in = dict(zip(("_msprobe_out", "_msprobe_in", "_msprobe_grad"), wanted))
         #: slot -> (kind, path, role of a bare tensor; an item's is role.<i>)
         self.slots: list[tuple[str, str, str]] = []
         self._cells: list[tuple[nn.Cell, type]] = []
-        self._reset = Tensor(buffer_rows(len(cells) * _SECTION * sum(wanted.values())))
+        taken = [path for path, cell in cells if "_msprobe_buffer" in cell.__dict__]
+        if taken:
+            warn(f"Cells tapped by another monitor or dump are left out: {', '.join(taken)}")
+        cells = [(path, cell) for path, cell in cells if path not in taken]
+        self._reset = Tensor(buffer_rows(len(cells) * _SECTION * sum(wanted)))
         self.buffer = Parameter(self._reset.copy(), name="msprobe_graph_statistics", requires_grad=False)
         self._grad_tap = GradTap(self.buffer, count_zeros)
         for path, cell in cells:
@@ -163,38 +168,36 @@ class GraphCapture:
                                 ("_msprobe_zeros", count_zeros), ("_msprobe_tap", self._grad_tap)):
                 object.__setattr__(cell, attr, value)
             for attr, kind, role in _SECTIONS:
-                first = len(self.slots) if wanted[attr] else -1
+                first = len(self.slots) if wanted_in[attr] else -1
                 object.__setattr__(cell, attr, first)
-                if wanted[attr]:
+                if wanted_in[attr]:
                     self.slots += [(kind, path, role)] + [(kind, path, f"{role}.{i}") for i in range(ROWS_PER_CELL)]
         self._index: Tensor | None = None  # the written slots, in the order written (learned once)
-        self._keys: list[MetricKey] = []
-        self._harvested = -1
+        self.keys: list[MetricKey] = []
+        #: key -> (dtype, shape) of the tensor each written slot measured (learned with the slots)
+        self.meta: dict[MetricKey, tuple[str, list[int]]] = {}
 
-    def harvest(self) -> bool:
-        """Hand this step's rows to the monitor (a monitored step) and reset the Parameter, once a
-        step; True when there were rows."""
-        monitor = self.monitor
-        if not self.slots or self._harvested == monitor.step:
-            return bool(self._keys)
-        self._harvested = monitor.step
-        if not monitor.active:
+    def take(self, wanted: bool = True) -> tuple[list[MetricKey], Tensor] | None:
+        """This step's rows (`keys`, and the rows on the device) and the Parameter reset, in one
+        launch; None when not `wanted` (only reset) or nothing was written."""
+        if not self.slots:
+            return None
+        if not wanted:
             ops.assign(self.buffer, self._reset)
-            return False
+            return None
         if self._index is None and not self._learn():
-            return False
-        rows = _gather_and_reset(self.buffer, self._index, self._reset, columns.n_columns())
-        monitor.rows.add(monitor.step, self._keys, rows, remember=False, seconds=0.0, measured=len(self._keys))
-        return True
+            return None
+        return self.keys, _gather_and_reset(self.buffer, self._index, self._reset, columns.n_columns())
 
     def _learn(self) -> bool:
         """Which slots the graph writes (one host read, once), in the order PyNative reports them:
         the Cells' forward rows in the order the graph wrote them (outputs, then inputs), then
         the gradient rows, the Cells in reverse order (a custom bprop's writes carry no order)."""
-        order = written(self.buffer.asnumpy())
+        rows = self.buffer.asnumpy()
+        order = written(rows)
         slots = np.flatnonzero(np.isfinite(order))
         if not slots.size:
-            self.monitor.warn(STALE_GRAPH)
+            self.warn(STALE_GRAPH)
             return False
         first: dict[str, float] = {}  # a Cell's first forward write
         for i in slots:
@@ -209,7 +212,8 @@ class GraphCapture:
             return (1, -at, i) if kind == "actv_grad" else (0, at, i)
 
         ordered = sorted(slots.tolist(), key=place)
-        self._keys = [MetricKey(*self.slots[i]) for i in ordered]
+        self.keys = [MetricKey(*self.slots[i]) for i in ordered]
+        self.meta = {key: meta_of(rows[i]) for key, i in zip(self.keys, ordered)}
         self._index = Tensor(np.array(ordered, np.int32))
         return True
 

@@ -10,7 +10,9 @@ built-in) columns are nan: their reducers run outside compiled graphs.
 
 `write` merges a row into its slot of the statistics Parameter (`min`/`max`/`sum` by column,
 as `stats.columns.merge`) and stamps the slot with the order of its first write, taken from the
-Parameter's last row (a counter): the host reads the rows in execution order.
+Parameter's last row (a counter): the host reads the rows in execution order. After the order
+column come the tensor's dtype and shape (`tensor_meta`: constants of the compiled graph, for
+dumps), read by the host with the order (`meta_of`).
 """
 from __future__ import annotations
 
@@ -25,27 +27,54 @@ _LOW_PRECISION = (ms.float16, ms.bfloat16, ms.float32)
 _NAN = float("nan")
 
 
+#: the dtypes a row's dtype code stands for (its index)
+DTYPES = (ms.float32, ms.float16, ms.bfloat16, ms.float64, ms.int8, ms.int16, ms.int32, ms.int64, ms.uint8,
+          ms.bool_)
+#: dimensions of a shape kept (a longer shape keeps its first ones)
+MAX_DIMS = 8
+#: the columns after a row's statistics: order, dtype code, ndim, MAX_DIMS sizes
+_TAIL = 3 + MAX_DIMS
+
+
 def buffer_rows(slots: int) -> np.ndarray:
     """The statistics Parameter's value at a step's start: `slots` identity rows, each with an
-    order column of inf (not written: `written`), then the counter row (all 0)."""
-    rows = np.zeros((slots + 1, columns.n_columns() + 1))
-    rows[:slots, :-1] = columns.empty_rows(slots)
-    rows[:slots, -1] = np.inf
+    order column (and meta columns) of inf (not written: `written`), then the counter row (all 0)."""
+    n = columns.n_columns()
+    rows = np.zeros((slots + 1, n + _TAIL))
+    rows[:slots, :n] = columns.empty_rows(slots)
+    rows[:slots, n:] = np.inf
     return rows
 
 
 def written(rows: np.ndarray) -> np.ndarray:
     """The order column of the slots of host `rows` (the Parameter's value): the order of each
     slot's first write this step, inf where none was written."""
-    return rows[:-1, -1]
+    return rows[:-1, columns.n_columns()]
+
+
+def meta_of(row: np.ndarray) -> tuple[str, list[int]]:
+    """(dtype as MindSpore prints it, e.g. ``Float32``; shape) of a written row of the Parameter."""
+    code, ndim, *sizes = row[columns.n_columns() + 1:]
+    return str(DTYPES[int(code)]), [int(d) for d in sizes[:min(int(ndim), MAX_DIMS)]]
+
+
+def tensor_meta(tensor):
+    """The meta columns of `tensor` (dtype code, ndim, sizes; constants when compiled)."""
+    code = -1
+    for i in range(len(DTYPES)):
+        if tensor.dtype == DTYPES[i]:
+            code = i
+    shape = tensor.shape[:MAX_DIMS]
+    sizes = shape + (0,) * (MAX_DIMS - len(shape))
+    return ops.tuple_to_array((code, len(tensor.shape)) + sizes).astype(ms.float64)
 
 
 def _merge_masks() -> tuple[np.ndarray, np.ndarray]:
-    width = columns.n_columns() + 1
+    width = columns.n_columns() + _TAIL
     low, high = np.zeros(width, bool), np.zeros(width, bool)
     low[columns.merge_indices("min")] = True
     high[columns.merge_indices("max")] = True
-    low[width - 1] = True  # the order column keeps the first write's (a reset slot's is inf)
+    low[columns.n_columns():] = True  # order and meta keep the first write's (a reset slot's are inf)
     return low, high
 
 
@@ -79,13 +108,13 @@ def tensor_row(tensor, count_zeros):
     return row
 
 
-def write(buffer, slot, row):
-    """Merge `row` into row `slot` of `buffer` (a Parameter from `buffer_rows`); returns the update,
-    for `ops.depend`."""
+def write(buffer, slot, row, meta):
+    """Merge `row` (and `meta`, `tensor_meta`) into row `slot` of `buffer` (a Parameter from
+    `buffer_rows`); returns the update, for `ops.depend`."""
     counter = buffer.shape[0] - 1
     old = buffer[slot]
     stamp = buffer[counter, 0] + 1
-    new = ops.cat([row, stamp.reshape(1)])
+    new = ops.cat([row, stamp.reshape(1), meta])
     # merged with a reset slot's identity row a row is itself; the order column keeps the first write's
     merged = ops.where(_MIN_MASK, ops.minimum(old, new), ops.where(_MAX_MASK, ops.maximum(old, new), old + new))
     counted = ops.scatter_update(buffer, Tensor([counter], ms.int32), ops.fill(ms.float64, (1, buffer.shape[1]), 0)

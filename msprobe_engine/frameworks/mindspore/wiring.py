@@ -11,13 +11,15 @@ ran), its gradients (given as `grads`) and state are read at the step's end.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import contextlib
+from typing import TYPE_CHECKING, Any, Iterator
 
 from mindspore import nn
 
 from msprobe_engine.frameworks.mindspore.cell_hooks import (CellHooks, OptimizerState, TensorBatch, compiled,
                                                              is_tensor, watched_cells)
 from msprobe_engine.frameworks.mindspore.graph_capture import GraphCapture
+from msprobe_engine.frameworks.mindspore.replay import MindSporeReplayHost
 from msprobe_engine.handles import Handles
 from msprobe_engine.stats import optional_columns
 from msprobe_engine.stats.table import MetricKey
@@ -44,10 +46,14 @@ class CellWiring(Handles):
         pynative = not compiled()
         if not pynative:
             monitor.warn(GRAPH_MODE_WARNING)
-        cells = watched_cells(monitor, net)
+        self.net = net
+        self.watched = watched_cells(monitor, net)
+        cells = self.watched
         self.cells = CellHooks(monitor, net, cells, self.batch) if pynative else None
         count_zeros = "zero_count" in optional_columns(monitor.config.stats)
-        self.graph = GraphCapture(monitor, cells, count_zeros) if cells else None
+        watch = monitor.config.watch
+        wanted = (watch.module_outputs, watch.module_inputs, watch.activation_grads)
+        self.graph = GraphCapture(cells, wanted, count_zeros, monitor.warn) if cells else None
         self.optim = OptimizerState(monitor, net, optimizer, self.batch, hooks=pynative)
         self.optim.before_grads = self._compiled_forward
         super().__init__([part for part in (self.cells, self.graph, self.optim) if part is not None])
@@ -72,6 +78,9 @@ class CellWiring(Handles):
 
     def step_closed(self) -> None:
         """After the step's end: the next step begins."""
+        host = self._replay_host()
+        if host is not None:
+            host.compiled, host.step_call = self._ran_compiled, False
         self.optim.stepped = False
         self._forward_taken = False
         if self.cells is not None:
@@ -92,10 +101,51 @@ class CellWiring(Handles):
     def _compiled_forward(self) -> None:
         """Once a step, where no Cell hook fired (the forward ran compiled): begin the micro-step and
         take the rows the graph wrote."""
+        self._replay_host()
         if self._forward_taken or (self.cells is not None and self.cells.fired):
             return
         self._forward_taken = True
         self.monitor.micro_step_begin()
         if self.graph is not None:
-            with self.monitor.guard("graph statistics"):
-                self.graph.harvest()
+            monitor = self.monitor
+            with monitor.guard("graph statistics"):
+                taken = self.graph.take(monitor.active)
+                if taken is not None:
+                    keys, rows = taken
+                    monitor.rows.add(monitor.step, keys, rows, remember=False, seconds=0.0, measured=len(keys))
+
+    # ---- replays (`replay.MindSporeReplayHost`) -------------------------------------------------
+    def _replay_host(self) -> MindSporeReplayHost | None:
+        """The monitor's MindSpore replay host (None: none), which then knows this wiring."""
+        host = self.monitor.replay_host
+        if not isinstance(host, MindSporeReplayHost):
+            return None
+        if self not in host.wirings:
+            host.wirings.append(self)
+        return host
+
+    @contextlib.contextmanager
+    def replay_hooks(self) -> Iterator[None]:
+        """While a step is replayed (eagerly): Cell hooks on the watched Cells when the net was
+        attached compiled (PyNative has its own), the optimizer's step state of the real step
+        set aside; at the end what was collected is measured, into the replay's rows."""
+        hooks = None
+        if self.cells is None and self.watched:
+            hooks = CellHooks(self.monitor, self.net, self.watched, self.batch, graph=self.monitor.graph)
+        try:
+            with self.optim.set_aside():
+                yield
+        finally:
+            if hooks is not None:
+                hooks.remove()
+            self.batch.flush()
+
+    def replayed_step_end(self, loss: Any, grads: Any) -> None:
+        """The end of a replayed step (where the monitor's step end does nothing): its loss and,
+        where no optimizer hook ran (compiled wiring), its gradients, parameters and state."""
+        if not self.optim.stepped:
+            with self.monitor.guard("replayed step end"):
+                self.optim.measure_grads(grads)
+                self.optim.read_after_step()
+        if is_tensor(loss):
+            self.batch.add([MetricKey("train", "loss")], [loss])

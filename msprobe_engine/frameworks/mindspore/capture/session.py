@@ -18,7 +18,9 @@ MindSpore format (``Cell.`` names, ``"type": "mindspore.Tensor"``, dtypes such a
 no ``requires_grad``), tensors are ``.npy`` files, construct.json (L0, mix) gives each entry's
 enclosing Cell, stack.json (``"stack": true``) each forward call's stack. Statistics are computed
 by the MindSpore backend; torch is never imported. L1 and mix record API calls
-(`capture.apis`) and need PYNATIVE_MODE: in GRAPH_MODE `start` raises `ConfigError`.
+(`capture.apis`) and need PYNATIVE_MODE: in GRAPH_MODE `start` raises `ConfigError`. In GRAPH_MODE
+the L0 statistics task takes the Cells' statistics from inside
+the compiled graph (`capture.graph_recorder`; `start(net)` before the net's first call).
 
 The debugger tasks, with PyTorch's config keys (`msprobe_engine.dump.tasks`):
 ``overflow_check`` (L0, L1; `capture.overflow`), ``free_benchmark`` (L1;
@@ -55,7 +57,8 @@ MINDSPORE_TASKS = supported_tasks(FRAMEWORK)
 #: the tasks that need PYNATIVE_MODE at any level (their hooks do not run in a compiled graph)
 PYNATIVE_TASKS = ("overflow_check", "free_benchmark", "grad_probe")
 GRAPH_MODE_WARNING = ("msprobe dump: GRAPH_MODE: Cell hooks do not run in a compiled graph, so no Cell "
-                      "entries are dumped; use PYNATIVE_MODE (parameter gradients passed to step() are dumped)")
+                      "entries are dumped; use PYNATIVE_MODE, or the statistics task at L0 (taken inside the graph); "
+                      "parameter gradients passed to step() are dumped")
 
 
 class MindSporePrecisionDebugger(DumpSession):
@@ -112,6 +115,9 @@ class MindSporePrecisionDebugger(DumpSession):
 
         task = self.config.task
         recorder = recorder_class(FRAMEWORK, task)
+        if _graph_mode() and task == "statistics" and self.config.level == "L0":
+            from msprobe_engine.frameworks.mindspore.capture.graph_recorder import GraphCellRecorder
+            recorder = GraphCellRecorder  # the Cells' statistics from inside the compiled graph
         if not isinstance(model, nn.Cell):
             what = "an optimizer: monitor(optimizer)" if not recorder.records_calls else "a net: pass it to start(net)"
             raise ConfigError(f"the MindSpore {task} session watches {what} (a mindspore.nn.Cell), "
@@ -144,11 +150,13 @@ class MindSporePrecisionDebugger(DumpSession):
         self._hook_model(model)
 
     def _hook_model(self, model: Any) -> None:
-        from msprobe_engine.frameworks.mindspore.capture.cells import DumpCellHooks, parameter_owners
+        from msprobe_engine.frameworks.mindspore.capture.cells import DumpCellHooks
 
         if not self._recorder.records_calls:
             self._recorder.watch(model)
             self._hooked.add(id(model))
+            if hasattr(self._recorder, "param_grads"):  # step(grads) names them as the Cell dump does
+                self._own_parameters(model)
             return
         if _graph_mode():
             log.warning(GRAPH_MODE_WARNING)
@@ -162,10 +170,16 @@ class MindSporePrecisionDebugger(DumpSession):
         self._cell_hooks.append(cells)
         if self._apis is not None:
             self._apis.hook_primitives(model)
+        self._own_parameters(model)
+        self._hooked.add(id(model))
+
+    def _own_parameters(self, model: Any) -> None:
+        """Which Cell holds each parameter of `model`, and the parameters a gradient tuple follows."""
+        from msprobe_engine.frameworks.mindspore.capture.cells import parameter_owners
+
         self._owners.update(parameter_owners(model))
         if self._params is None:
             self._params = list(model.trainable_params())
-        self._hooked.add(id(model))
 
     def _activate(self) -> None:
         wanted = self.config.wants_step(self.current_step) and self.config.wants_rank(self.rank or 0)
