@@ -19,8 +19,15 @@ the added milliseconds, and per trainer (each round against the plain loop's of 
 `added_minus_plain`, its added milliseconds minus the plain loop's as a share of the plain
 loop's step without the monitor (the same extra cost in each trainer: about 0).
 
+`--alternate`: each config's process monitors every other step (`schedule.interval: 2`), and
+the baseline of its monitored steps is its own unmonitored steps, interleaved with them: the
+machine's load and the process's own speed (memory layout, allocator) hit both alike, which a
+process per configuration cannot cancel on a shared machine. The unmonitored steps keep the
+hooks installed (they return at once), so this measures what a monitored step adds.
+
     OMP_NUM_THREADS=1 python bench/trainer_callbacks.py [--steps 10] [--rounds 3] [--trainers hf lightning]
-    python bench/trainer_callbacks.py --one hf full    # one process: its step times, as JSON
+    OMP_NUM_THREADS=1 python bench/trainer_callbacks.py --alternate --steps 16
+    python bench/trainer_callbacks.py --one hf full    # one process: its step times and whether monitored, as JSON
 """
 from __future__ import annotations
 
@@ -33,6 +40,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Sequence
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,13 +53,15 @@ GAS, ROWS, LR = 2, 4, 1e-3
 MODELS = {"gpt2-3m": {"n_layer": 4, "n_embd": 256, "n_head": 4}, "tiny": {}}
 
 
-def monitor_config(name: str, out: Path) -> dict:
+def monitor_config(name: str, out: Path, interval: int = 1) -> dict:
+    """configs/<name>.yaml writing to `out`, monitoring every `interval`-th step."""
     from msprobe_engine.config.loader import read_file
 
-    return {**read_file(ROOT / "configs" / f"{name}.yaml"), "output_dir": str(out)}
+    config = read_file(ROOT / "configs" / f"{name}.yaml")
+    return {**config, "output_dir": str(out), "schedule": {**config.get("schedule", {}), "interval": interval}}
 
 
-def plain(config: dict | None, steps: int, sizes: dict) -> list[float]:
+def plain(config: dict | None, steps: int, sizes: dict) -> list[tuple[float, bool]]:
     import torch
 
     from examples.hf_trainer import tiny_gpt2, token_rows
@@ -64,6 +74,7 @@ def plain(config: dict | None, steps: int, sizes: dict) -> list[float]:
     batches = [{k: torch.stack([r[k] for r in rows[i:i + ROWS]]) for k in rows[0]} for i in range(0, len(rows), ROWS)]
     times = []
     for step in range(steps):
+        monitored = monitor is not None and monitor.active
         start = time.perf_counter()
         total = 0.0
         for batch in batches[step * GAS:(step + 1) * GAS]:
@@ -75,30 +86,33 @@ def plain(config: dict | None, steps: int, sizes: dict) -> list[float]:
         optimizer.zero_grad()
         if monitor is not None:
             monitor.step_end(total)
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start, monitored))
     if monitor is not None:
         monitor.close()
     return times
 
 
-def hf(config: dict | None, steps: int, sizes: dict, out: Path) -> list[float]:
+def hf(config: dict | None, steps: int, sizes: dict, out: Path) -> list[tuple[float, bool]]:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from examples.hf_trainer import tiny_gpt2, token_rows
     from msprobe_integrations.hf import MonitorCallback
 
     class StepTimer(TrainerCallback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
+        def __init__(self, callback: MonitorCallback | None) -> None:
+            self.callback = callback
+            self.times: list[tuple[float, bool]] = []
 
         def on_step_begin(self, args, state, control, **kwargs):
+            self.monitored = self.callback is not None and self.callback.monitor.active
             self.start = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.times.append(time.perf_counter() - self.start)
+            self.times.append((time.perf_counter() - self.start, self.monitored))
 
-    timer = StepTimer()
-    callbacks = [timer] if config is None else [MonitorCallback(config=config), timer]
+    callback = MonitorCallback(config=config) if config is not None else None
+    timer = StepTimer(callback)
+    callbacks = [timer] if callback is None else [callback, timer]
     args = TrainingArguments(output_dir=str(out / "trainer"), use_cpu=True, report_to=[], save_strategy="no",
                              disable_tqdm=True, per_device_train_batch_size=ROWS, gradient_accumulation_steps=GAS,
                              max_steps=steps, logging_steps=10 ** 6, learning_rate=LR, max_grad_norm=1.0,
@@ -107,7 +121,7 @@ def hf(config: dict | None, steps: int, sizes: dict, out: Path) -> list[float]:
     return timer.times
 
 
-def lightning(config: dict | None, steps: int, sizes: dict, out: Path) -> list[float]:
+def lightning(config: dict | None, steps: int, sizes: dict, out: Path) -> list[tuple[float, bool]]:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 
@@ -116,19 +130,22 @@ def lightning(config: dict | None, steps: int, sizes: dict, out: Path) -> list[f
     from msprobe_integrations.lightning import MonitorCallback
 
     class StepTimer(pl.Callback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
+        def __init__(self, callback: MonitorCallback | None) -> None:
+            self.callback = callback
+            self.times: list[tuple[float, bool]] = []
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if batch_idx % GAS == 0:
+                self.monitored = self.callback is not None and self.callback.monitor.active
                 self.start = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if batch_idx % GAS == GAS - 1:
-                self.times.append(time.perf_counter() - self.start)
+                self.times.append((time.perf_counter() - self.start, self.monitored))
 
-    timer = StepTimer()
-    callbacks = [timer] if config is None else [MonitorCallback(config=config), timer]
+    callback = MonitorCallback(config=config) if config is not None else None
+    timer = StepTimer(callback)
+    callbacks = [timer] if callback is None else [callback, timer]
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, accumulate_grad_batches=GAS,
                          gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=str(out / "lightning"), callbacks=callbacks)
@@ -136,10 +153,11 @@ def lightning(config: dict | None, steps: int, sizes: dict, out: Path) -> list[f
     return timer.times
 
 
-def one(trainer: str, config: str, steps: int, model: str) -> list[float]:
-    """The step times of one (trainer, config), in this process."""
+def one(trainer: str, config: str, steps: int, model: str, interval: int = 1) -> list[tuple[float, bool]]:
+    """The step times of one (trainer, config), in this process, each with whether the monitor
+    measured that step (`interval`: the schedule's, 2 for every other step)."""
     with tempfile.TemporaryDirectory() as tmp:
-        monitor = None if config == "none" else monitor_config(config, Path(tmp) / "monitor")
+        monitor = None if config == "none" else monitor_config(config, Path(tmp) / "monitor", interval)
         if trainer == "plain":
             return plain(monitor, steps, MODELS[model])
         return (hf if trainer == "hf" else lightning)(monitor, steps, MODELS[model], Path(tmp))
@@ -151,26 +169,29 @@ def spread(values: list[float], digits: int) -> dict:
                                                                           round(max(values), digits)]}
 
 
-def summary(medians: dict[tuple[str, str], list[float]], trainers: list[str]) -> dict:
-    """Per trainer and config, from each round's median step (seconds): the step, the ratio over
-    the trainer without the monitor and the added milliseconds, round by round; per trainer the
-    same rounds against the plain loop's."""
-    rounds = range(len(medians["plain", "none"]))
-    ratio = {run: [medians[run][r] / medians[run[0], "none"][r] for r in rounds] for run in medians}
-    added = {run: [(medians[run][r] - medians[run[0], "none"][r]) * 1e3 for r in rounds] for run in medians}
+def summary(medians: dict[tuple[str, str], list[float]], bases: dict[tuple[str, str], list[float]],
+            trainers: list[str], configs: Sequence[str]) -> dict:
+    """Per trainer and config, from each round's median step (seconds, `medians`) and its
+    baseline's (`bases`: the trainer without the monitor, or the same process's unmonitored
+    steps): the step, the ratio and the added milliseconds, round by round; per trainer the same
+    rounds against the plain loop's (the added milliseconds as a share of the plain loop's
+    baseline step)."""
+    rounds = range(len(medians["plain", configs[0]]))
+    ratio = {run: [medians[run][r] / bases[run][r] for r in rounds] for run in medians}
+    added = {run: [(medians[run][r] - bases[run][r]) * 1e3 for r in rounds] for run in medians}
     result: dict = {}
     for trainer in trainers:
-        result[trainer] = {"step_ms_no_monitor": spread([m * 1e3 for m in medians[trainer, "none"]], 1)}
-        for config in CONFIGS[1:]:
-            run = (trainer, config)
+        result[trainer] = {}
+        for config in configs:
+            run, plain_run = (trainer, config), ("plain", config)
             result[trainer][config] = {"step_ms": spread([m * 1e3 for m in medians[run]], 1),
+                                       "base_ms": spread([m * 1e3 for m in bases[run]], 1),
                                        "ratio": spread(ratio[run], 3), "added_ms": spread(added[run], 1)}
-            if trainer == "plain":
-                continue
-            plain_run = ("plain", config)
-            result[trainer][config]["minus_plain"] = spread([ratio[run][r] - ratio[plain_run][r] for r in rounds], 3)
-            result[trainer][config]["added_minus_plain"] = spread(
-                [(added[run][r] - added[plain_run][r]) / (medians["plain", "none"][r] * 1e3) for r in rounds], 3)
+            if trainer != "plain":
+                result[trainer][config]["minus_plain"] = spread(
+                    [ratio[run][r] - ratio[plain_run][r] for r in rounds], 3)
+                result[trainer][config]["added_minus_plain"] = spread(
+                    [(added[run][r] - added[plain_run][r]) / (bases[plain_run][r] * 1e3) for r in rounds], 3)
     return result
 
 
@@ -182,14 +203,19 @@ def main() -> None:
     parser.add_argument("--model", choices=MODELS, default="gpt2-3m")
     parser.add_argument("--trainers", nargs="+", choices=TRAINERS, default=list(TRAINERS),
                         help="the trainers to compare (the plain loop is always one)")
+    parser.add_argument("--alternate", action="store_true",
+                        help="monitor every other step, each step's baseline the unmonitored steps of its process")
     parser.add_argument("--one", nargs=2, metavar=("TRAINER", "CONFIG"), help="run one configuration here")
+    parser.add_argument("--interval", type=int, default=1, help=argparse.SUPPRESS)  # (--one's schedule)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(one(*args.one, args.steps, args.model)))
+        print(json.dumps(one(*args.one, args.steps, args.model, args.interval)))
         return
     trainers = ["plain", *(t for t in args.trainers if t != "plain")]
-    runs = [(t, c) for t in trainers for c in CONFIGS]
+    configs = CONFIGS[1:]
+    runs = [(t, c) for t in trainers for c in (configs if args.alternate else CONFIGS)]
     medians: dict[tuple[str, str], list[float]] = {run: [] for run in runs}
+    unmonitored: dict[tuple[str, str], list[float]] = {run: [] for run in runs}
     loads = []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for round_ in range(args.rounds):
@@ -197,13 +223,19 @@ def main() -> None:
         for trainer, config in runs[shift:] + runs[:shift]:
             loads.append(os.getloadavg()[0])
             done = subprocess.run([sys.executable, __file__, "--one", trainer, config, "--steps", str(args.steps),
-                                   "--model", args.model], env=env, capture_output=True, text=True, check=True)
-            times = json.loads(done.stdout.strip().splitlines()[-1])[args.warmup:]
-            medians[trainer, config].append(statistics.median(times))
+                                   "--model", args.model, "--interval", "2" if args.alternate else "1"],
+                                  env=env, capture_output=True, text=True, check=True)
+            steps = json.loads(done.stdout.strip().splitlines()[-1])[args.warmup:]
+            medians[trainer, config].append(statistics.median(t for t, monitored in steps if monitored
+                                                              or config == "none"))
+            if args.alternate:
+                unmonitored[trainer, config].append(statistics.median(t for t, monitored in steps if not monitored))
         print(f"round {round_ + 1}: " + ", ".join(f"{t} {c} {medians[t, c][-1] * 1e3:.1f} ms" for t, c in runs),
               flush=True)
+    bases = unmonitored if args.alternate else {(t, c): medians[t, "none"] for t, c in runs}
     result = {"load": [round(min(loads), 1), round(max(loads), 1)], "model": args.model, "steps": args.steps,
-              "warmup": args.warmup, "rounds": args.rounds, **summary(medians, trainers)}
+              "warmup": args.warmup, "rounds": args.rounds, "alternate": args.alternate,
+              **summary({run: medians[run] for run in runs if run[1] != "none"}, bases, trainers, configs)}
     print(json.dumps(result))
 
 
