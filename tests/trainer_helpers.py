@@ -77,9 +77,11 @@ def faults_in(root: torch.nn.Module, nans: set[int], spikes: set[int], overflows
     """nan in `LAYER`'s output on the steps of `nans`; the final norm's output (the logits'
     scale: a loss spike) times 100 on the steps of `spikes`; `LAYER`'s output gradient inf on
     the steps of `overflows` (a loss-scaled backward's overflow)."""
-    return [FaultAt(root, root.get_submodule(LAYER), set(nans)),
-            FaultAt(root, root.get_submodule("transformer.ln_f"), set(spikes), scale=100.0),
-            FaultAt(root, root.get_submodule(LAYER), set(overflows), scale=float("inf"), backward=True)]
+    faults = [FaultAt(root, root.get_submodule(LAYER), set(nans)),
+              FaultAt(root, root.get_submodule("transformer.ln_f"), set(spikes), scale=100.0)]
+    if overflows:
+        faults.append(FaultAt(root, root.get_submodule(LAYER), set(overflows), scale=float("inf"), backward=True))
+    return faults
 
 
 def action_config(out: Path, action: str = "continue", **overrides) -> dict:
