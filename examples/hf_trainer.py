@@ -20,11 +20,12 @@ import torch
 LAYER = "transformer.h.1.mlp"
 
 
-def tiny_gpt2():
+def tiny_gpt2(n_layer: int = 2, n_embd: int = 64, n_head: int = 4):
+    """A random-init GPT-2 over 256 token ids (2 layers of width 64: 0.1M parameters by default)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64,
+    return GPT2LMHeadModel(GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=256, n_positions=64,
                                       bos_token_id=0, eos_token_id=0))
 
 

@@ -17,13 +17,14 @@ import torch
 from examples.hf_trainer import LAYER, inject_nan, summarize, tiny_gpt2, token_rows
 
 
-def lit_gpt2(lr: float = 1e-3):
+def lit_gpt2(lr: float = 1e-3, **sizes: int):
+    """A LightningModule training `tiny_gpt2(**sizes)` with AdamW at `lr`."""
     import lightning.pytorch as pl
 
     class LitGPT2(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.gpt = tiny_gpt2()
+            self.gpt = tiny_gpt2(**sizes)
 
         def training_step(self, batch, batch_idx):
             return self.gpt(**batch).loss

@@ -153,6 +153,7 @@ class Monitor(StepLifecycle):
     backend = _part("pipeline", "backend", "The statistics backend (a framework's `backend` module).")
     reducer = _part("pipeline", "reducer", "Merges the rows over process groups before the transfer (None: one process).")
     read_late = _part("pipeline", "read_late", "Read statistics one step late (None: when they live on an accelerator).")
+    screen = _part("pipeline", "screen", "What every step's table goes through before the rules see it (None: none).")
     replay_host = _part("replay", "host", "The framework side of a replay (None: no replays).", settable=False)
     replaying = _part("replay", "replaying", "True while a step is replayed: hooks leave the real step's state alone.",
                       settable=False)

@@ -21,7 +21,10 @@ What is read, and where (plain PyTorch; see below for `--deepspeed`):
 - parameters and optimizer state: after the optimizer step (`on_optimizer_step`);
 - fp16 AMP (accelerate's GradScaler): the step's loss scale as `train/loss_scale`, the
   gradients of the one-process path divided by it (its device tensor, no host sync), and a
-  step the scaler skipped (an overflow: its scale went down) as `train/skipped` = 1.
+  step the scaler skipped (an overflow: its scale went down) as `train/skipped` = 1. That
+  step's gradients hold an inf or nan, routinely: its loss-scaled rows (gradients, activation
+  gradients) are dropped before the rules see them (`steps/overflow.py`), so no `non_finite`
+  alert and no skip/stop fires on it.
 
 Actions: `stop` sets the Trainer's `control.should_training_stop` (the stopping step's
 optimizer step is skipped; the Trainer ends after it as after its last step). The Trainer

@@ -18,6 +18,7 @@ from msprobe_engine.frameworks.torch.optimizer_hooks import SKIPPED, restore_gra
 from msprobe_engine.health import LOSS_SCALE
 from msprobe_engine.monitor import Monitor
 from msprobe_engine.stats.table import MetricKey
+from msprobe_engine.steps.overflow import screen_scaler_overflow
 from msprobe_integrations.trainer_hooks import decide
 
 #: the key under which the trainers' own logs get the number of alerts so far
@@ -49,6 +50,9 @@ class TrainerAdapter(Integration):
         self._skipped: bool | None = None  # the finished step's skip (None: none finished)
         self._scale_before: torch.Tensor | None = None  # the loss scale the step began with
         monitor.add_step_closer(self)
+        # a step the loss scaler skips (an fp16 overflow) shows its non-finite scaled gradients:
+        # routine, not an alert (its skip is train/skipped)
+        monitor.screen = screen_scaler_overflow
 
     def keep_loss(self, loss: Any) -> None:
         """One micro-batch's loss (a tensor), kept on the device until the decision."""

@@ -119,36 +119,35 @@ def _scaler():
     return torch.amp.GradScaler("cpu", init_scale=SCALE, growth_interval=1000)
 
 
+def _assert_overflow_is_no_alert(records, monitor, plain_monitor) -> None:
+    """The second step's backward overflowed (its gradients inf, its forward finite: what too
+    large a loss scale does): under the scaler no alert, that step's loss-scaled rows dropped,
+    the others' kept; without a scaler the same gradients fire `non_finite`."""
+    assert list(monitor.alert_log) == [] and [r.alerts for r in records] == [[], [], []]
+    assert ["grad/global/norm" in r.metrics for r in records] == [True, False, True]
+    assert (plain_monitor.alert_log[0].rule, plain_monitor.alert_log[0].step) == ("non_finite", 2)
+
+
 def test_hf_loss_scale_and_a_step_the_scaler_skipped_on_an_overflow(tmp_path):
     """accelerate builds its GradScaler for fp16 on accelerators only: the same torch scaler is
     given to the real Trainer's accelerator on the CPU (loss scaled in the backward, gradients
     unscaled by the scaler's step, which skips a step whose gradients hold an inf or nan)."""
     import math
 
-    from transformers import Trainer
-
-    from msprobe_integrations.hf import MonitorCallback
-    from tests.trainer_helpers import faults_in, gpt2, hf_args, token_rows
-
     runs = {}
     for scaled in (False, True):
         out = tmp_path / ("scaled" if scaled else "plain")
-        model = gpt2()
-        faults_in(model, {1}, set())  # a nan in the second step's activations: no action, only the scaler's skip
-        callback = MonitorCallback(config=action_config(out))
-        trainer = Trainer(model=model, args=hf_args(out, max_grad_norm=0.0, logging_steps=1),
-                          train_dataset=token_rows(24), callbacks=[callback])
-        if scaled:
-            trainer.accelerator.scaler = _scaler()
-        trainer.train()
-        runs[scaled] = list(callback.monitor.history), trainer
-    (plain, _), (records, trainer) = runs[False], runs[True]
+        runs[scaled] = hf_run(out, action_config(out), overflows={1}, scaler=_scaler() if scaled else None,
+                              max_grad_norm=0.0, logging_steps=1)
+    (plain_callback, _), (callback, trainer) = runs[False], runs[True]
+    records, plain = list(callback.monitor.history), list(plain_callback.monitor.history)
     assert [r.step for r in records] == [e["step"] for e in trainer.state.log_history if "loss" in e] == [1, 2, 3]
     assert [r.metrics["Health/loss_scale"] for r in records] == [SCALE, SCALE, SCALE / 2]  # halved after the overflow
     assert [r.metrics["train/skipped"] for r in records] == [r.metrics["Health/skipped"] for r in records] == \
         [0.0, 1.0, 0.0]
     assert math.isfinite(records[2].metrics["train/loss"])  # the overflow step was not applied
     assert "Health/loss_scale" not in plain[0].metrics and [r.metrics["train/skipped"] for r in plain] == [0.0] * 3
+    _assert_overflow_is_no_alert(records, callback.monitor, plain_callback.monitor)
     # the gradients are measured unscaled: those of the run without a scaler (a power of 2: exactly)
     assert records[0].metrics["grad/global/norm"] == pytest.approx(plain[0].metrics["grad/global/norm"], rel=1e-9)
 
@@ -169,8 +168,8 @@ def test_lightning_loss_scale_and_a_step_the_scaler_skipped_on_an_overflow(tmp_p
             if batch_idx % GAS == GAS - 1:
                 seen.append(trainer.global_step)
 
-    plain, _ = lightning_run(tmp_path / "plain", action_config(tmp_path / "plain"), faults={1})
-    callback, trainer = lightning_run(tmp_path / "scaled", action_config(tmp_path / "scaled"), faults={1},
+    plain, _ = lightning_run(tmp_path / "plain", action_config(tmp_path / "plain"), overflows={1})
+    callback, trainer = lightning_run(tmp_path / "scaled", action_config(tmp_path / "scaled"), overflows={1},
                                       plugins=[MixedPrecision("16-mixed", "cpu", scaler=_scaler())],
                                       callbacks=[GlobalStep()])
     records = list(callback.monitor.history)
@@ -180,6 +179,7 @@ def test_lightning_loss_scale_and_a_step_the_scaler_skipped_on_an_overflow(tmp_p
         [0.0, 1.0, 0.0]
     assert math.isfinite(records[2].metrics["train/loss"])
     assert "Health/loss_scale" not in plain.monitor.history[0].metrics
+    _assert_overflow_is_no_alert(records, callback.monitor, plain.monitor)
     # Lightning unscales before on_before_optimizer_step: the fp32 run's gradients, to fp16 autocast's precision
     first = plain.monitor.history[0].metrics["grad/global/norm"]
     assert records[0].metrics["grad/global/norm"] == pytest.approx(first, rel=2e-2)

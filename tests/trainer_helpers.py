@@ -45,11 +45,13 @@ def token_rows(count: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
 
 class FaultAt:
     """A forward hook on `module` that corrupts its output on the given optimizer steps
-    (counting training forwards of `root`, `GAS` per step): nan, or times `scale`."""
+    (counting training forwards of `root`, `GAS` per step): nan, or times `scale`; with
+    `backward`, the output's gradient instead (the forward stays finite: an fp16 backward's
+    overflow, with `scale` inf)."""
 
     def __init__(self, root: torch.nn.Module, module: torch.nn.Module, steps: set[int], gas: int = GAS,
-                 scale: float = float("nan")) -> None:
-        self.forwards, self.steps, self.gas, self.scale = 0, steps, gas, scale
+                 scale: float = float("nan"), backward: bool = False) -> None:
+        self.forwards, self.steps, self.gas, self.scale, self.backward = 0, steps, gas, scale, backward
         self.handles = [root.register_forward_pre_hook(self._count),
                         module.register_forward_hook(self._corrupt)]
 
@@ -59,6 +61,9 @@ class FaultAt:
 
     def _corrupt(self, module, args, output):
         if module.training and (self.forwards - 1) // self.gas in self.steps:
+            if self.backward:
+                output.register_hook(lambda grad: grad * self.scale)
+                return None
             return output * self.scale
         return None
 
@@ -67,11 +72,16 @@ class FaultAt:
             handle.remove()
 
 
-def faults_in(root: torch.nn.Module, nans: set[int], spikes: set[int]) -> list[FaultAt]:
+def faults_in(root: torch.nn.Module, nans: set[int], spikes: set[int], overflows: set[int] = frozenset()
+              ) -> list[FaultAt]:
     """nan in `LAYER`'s output on the steps of `nans`; the final norm's output (the logits'
-    scale: a loss spike) times 100 on the steps of `spikes`."""
-    return [FaultAt(root, root.get_submodule(LAYER), set(nans)),
-            FaultAt(root, root.get_submodule("transformer.ln_f"), set(spikes), scale=100.0)]
+    scale: a loss spike) times 100 on the steps of `spikes`; `LAYER`'s output gradient inf on
+    the steps of `overflows` (a loss-scaled backward's overflow)."""
+    faults = [FaultAt(root, root.get_submodule(LAYER), set(nans)),
+              FaultAt(root, root.get_submodule("transformer.ln_f"), set(spikes), scale=100.0)]
+    if overflows:
+        faults.append(FaultAt(root, root.get_submodule(LAYER), set(overflows), scale=float("inf"), backward=True))
+    return faults
 
 
 def action_config(out: Path, action: str = "continue", **overrides) -> dict:
@@ -99,18 +109,22 @@ def hf_args(out: Path, **overrides):
 
 def hf_run(out: Path, config: Any, *, faults: set[int] = frozenset(), model=None, rows: int = 24,
            resume: str | None = None, optimizers=(None, None), spikes: set[int] = frozenset(),
-           callback_type: type | None = None, callbacks: list = (), **args):
+           overflows: set[int] = frozenset(), callback_type: type | None = None, callbacks: list = (),
+           scaler: Any = None, **args):
     """Train GPT-2 with the HF Trainer and `MonitorCallback(config)` (or `callback_type(config)`),
-    then `callbacks`; returns (callback, trainer)."""
+    then `callbacks`; `scaler`: a torch GradScaler for the Trainer's accelerator (accelerate
+    builds one for fp16 on accelerators only); returns (callback, trainer)."""
     from transformers import Trainer
 
     from msprobe_integrations.hf import MonitorCallback
 
     model = model if model is not None else gpt2()
-    injected = faults_in(model, faults, spikes)
+    injected = faults_in(model, faults, spikes, overflows)
     callback = (callback_type or MonitorCallback)(config=config)
     trainer = Trainer(model=model, args=hf_args(out, **args), train_dataset=token_rows(rows),
                       callbacks=[callback, *callbacks], optimizers=optimizers)
+    if scaler is not None:
+        trainer.accelerator.scaler = scaler
     trainer.train(resume_from_checkpoint=resume)
     for fault in injected:
         fault.remove()
@@ -156,7 +170,7 @@ def lit_module(seed: int = 0, lr: float = 1e-3):
 
 def lightning_run(out: Path, config: Any, *, faults: set[int] = frozenset(), module=None, rows: int = 24,
                   ckpt_path: str | None = None, callbacks: list = (), spikes: set[int] = frozenset(),
-                  callback_type: type | None = None, **trainer_args):
+                  overflows: set[int] = frozenset(), callback_type: type | None = None, **trainer_args):
     """`trainer.fit` with `MonitorCallback(config)` (or `callback_type(config)`), then
     `callbacks`, accumulation GAS; returns (callback, trainer)."""
     import lightning.pytorch as pl
@@ -165,7 +179,7 @@ def lightning_run(out: Path, config: Any, *, faults: set[int] = frozenset(), mod
     from msprobe_integrations.lightning import MonitorCallback
 
     module = module if module is not None else lit_module()
-    injected = faults_in(module.gpt, faults, spikes)
+    injected = faults_in(module.gpt, faults, spikes, overflows)
     callback = (callback_type or MonitorCallback)(config=config)
     saves = any(type(c).__name__ == "ModelCheckpoint" for c in callbacks)
     options = dict(accelerator="cpu", devices=1, max_steps=3, accumulate_grad_batches=GAS, logger=False,

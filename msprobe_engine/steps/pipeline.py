@@ -69,6 +69,9 @@ class StepPipeline:
         #: waiting (only when every rule's action is `continue` and no step runs through
         #: `run_step`); None: when they live on an accelerator
         self.read_late: bool | None = None
+        #: what every transferred table goes through before the rules see it (e.g. an integration's
+        #: `steps.overflow.screen_scaler_overflow`); None: as measured
+        self.screen: Callable[[StatTable], StatTable] | None = None
 
     # ---- transfer ---------------------------------------------------------------------------
     def transfer(self, reduce: bool = True, at_step_end: bool = False, merge: bool | None = None
@@ -77,7 +80,8 @@ class StepPipeline:
         (`reduce`: through the reducer; a replay's transfer is not, unless `merge`: every rank
         replays together). At a step's end (`at_step_end`) in one-step-late mode the copy is
         started without waiting and the result has no table of this step: it comes with the next
-        transfer. Each transfer adds the self-metering rows of the current step."""
+        transfer. Each transfer adds the self-metering rows of the current step; every table goes
+        through `screen`."""
         self.emitter.host_since = time.perf_counter()
         clock = self.clock
         tables = self.rows.transfer(clock.step, self.backend, self.reducer, reduce=reduce,
@@ -85,6 +89,8 @@ class StepPipeline:
                                     late=self._reads_late if at_step_end and reduce else None)
         if at_step_end and reduce and self.rows.reading_late:  # this step's copy left running
             self.held.micro_steps[clock.step] = clock.micro_steps
+        if self.screen is not None:
+            tables = {step: self.screen(table) for step, table in tables.items()}
         return tables
 
     def _reads_late(self, rows: Any) -> bool:

@@ -35,17 +35,14 @@ import torch
 from msprobe_engine.frameworks.torch.optimizer_hooks import STATE_NAMES
 from msprobe_engine.health import LOSS_SCALE
 from msprobe_engine.incident.actions import TrainingStopped
-from msprobe_engine.incident.graph import INPUT_GRAD_KIND
-from msprobe_engine.stats import P_INF, P_NAN
 from msprobe_engine.stats.table import MetricKey, StatTable
+from msprobe_engine.steps.overflow import SCALED_KINDS, overflowed, without_scaled
 from msprobe_integrations.deepspeed.shards import ShardReader
 
 if TYPE_CHECKING:
     from msprobe_engine.monitor import Monitor
 
 SKIPPED = MetricKey("train", "skipped")
-#: rows multiplied by the fp16 loss scale in the backward: void on an overflow step
-SCALED_KINDS = frozenset({"grad", "actv_grad", INPUT_GRAD_KIND})
 
 
 def _no_op(*args: Any, **kwargs: Any) -> None:
@@ -139,12 +136,10 @@ class EngineHooks:
         """fp16: DeepSpeed skips a step whose gradients hold an inf or nan (a loss-scale overflow,
         or a real one: it cannot tell them apart). The merged gradient rows show it before the
         step, on every rank alike: drop the loss-scaled rows, whose non-finite values are routine."""
-        grads = table.select("grad")
-        if not grads.any() or not (table.partials[grads][:, [P_NAN, P_INF]] > 0).any():
+        if not overflowed(table):
             return table
         self._overflow = True
-        keep = [i for i, key in enumerate(table.keys) if key.kind not in SCALED_KINDS]
-        return StatTable.from_rows([table.keys[i] for i in keep], table.partials[keep])
+        return without_scaled(table)
 
     @contextlib.contextmanager
     def _no_update(self) -> Iterator[None]:
