@@ -28,7 +28,7 @@ import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator, Protocol
 
 import mindspore as ms
 import numpy as np
@@ -36,8 +36,14 @@ from mindspore import Parameter, ops
 
 from msprobe_engine.frameworks.mindspore.cell_hooks import HeldState, held_copies
 
-if TYPE_CHECKING:
-    from msprobe_engine.frameworks.mindspore.wiring import CellWiring
+
+class ReplayedWiring(Protocol):
+    """What a replay needs of a net's wiring (`wiring.CellWiring`, which imports this module)."""
+
+    optim: Any
+
+    def replay_hooks(self) -> contextlib.AbstractContextManager[None]:
+        """The watched Cells' hooks for the length of a replayed step."""
 
 
 @dataclass
@@ -62,7 +68,7 @@ class MindSporeReplayHost:
 
     def __init__(self) -> None:
         self.models: list[Any] = []
-        self.wirings: list["CellWiring"] = []
+        self.wirings: list[ReplayedWiring] = []
         #: the last step ran compiled (its optimizer where no hook runs), or none ran yet
         self.compiled = True
         #: a step function started through `run_step` in this step (the wirings decide before
