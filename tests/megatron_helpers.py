@@ -38,6 +38,7 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from multiproc import free_port
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core import utils as megatron_utils
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -116,7 +117,8 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234,
     and its re-run engine."""
     patch_for_cpu()
     if not dist.is_initialized():
-        for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29512"), ("RANK", "0"),
+        # a free port, not a fixed one: pytest-xdist runs several one-rank worlds at once
+        for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"),
                            ("WORLD_SIZE", "1")):
             os.environ.setdefault(key, value)
         dist.init_process_group("gloo")
