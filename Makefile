@@ -16,6 +16,9 @@ PY312_TESTS := tests/test_megatron.py tests/test_megatron_moe.py tests/test_mega
 	"tests/test_lifecycle_order.py::test_lifecycle_calls_arrive_in_order[megatron]" \
 	tests/test_stats.py tests/test_monitor_torch.py tests/test_config.py
 export OMP_NUM_THREADS := 1
+# pytest-xdist: one test file per worker process (module fixtures stay shared), one worker per core
+TEST_WORKERS ?= 2
+PYTEST := -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 export DS_BUILD_OPS := 0
 export DS_ACCELERATOR := cpu
 
@@ -25,7 +28,7 @@ demo: $(VENV)/.core
 	$(PY) -m examples.demo
 
 test: $(VENV)/.all $(VENV312)/.ready
-	$(PY) -m pytest -q
+	$(PY) $(PYTEST)
 	$(PY312) -m pytest -q $(PY312_TESTS)
 
 # the Python 3.12 lane alone (megatron-core 0.19.2, numpy 2)
@@ -34,7 +37,7 @@ test-py312: $(VENV312)/.ready
 
 # the quick lane for the development loop: everything not marked slow
 test-fast: $(VENV)/.all
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) $(PYTEST) -m "not slow"
 
 # bench/suite.py: monitor and dump overhead on models we did not write, next to the predecessor;
 # `make bench BENCH_ARGS=--quick` for a short correctness run
