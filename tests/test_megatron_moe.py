@@ -125,16 +125,20 @@ def _tolerance(metrics: dict, tag: str, rtol: float = RTOL) -> float:
 def test_per_expert_statistics_equal_in_both_layouts(runs):
     """EP=2 (merged over the expert-parallel group) equals EP=1 within 1e-6 relative: the two
     layouts differ only in the order float32 sums run in (an expert sees both micro-batches in
-    one pass under EP=2); 1e-5 where EP=2's experts are grouped GEMMs (`RTOL_GROUPED`)."""
+    one pass under EP=2); 1e-5 where EP=2's experts are grouped GEMMs (`RTOL_GROUPED`); twice that for
+    `exp_avg_sq`, a square of the gradient."""
     for rank_result in runs["ep2"]:
-        rtol = RTOL_GROUPED if rank_result["grouped"] else RTOL
+        layout_rtol = RTOL_GROUPED if rank_result["grouped"] else RTOL
         for got, want in zip(rank_result["steps"], runs["ep1"][0]["steps"]):
             reference = _expert_tags(want["metrics"])
             assert reference and set(_expert_tags(got["metrics"])) == set(reference)
             for tag, value in reference.items():
+                # Adam's second moment is the gradient squared: twice the gradient's relative difference
+                rtol = 2 * layout_rtol if "/exp_avg_sq/" in tag else layout_rtol
                 assert math.isclose(got["metrics"][tag], value, rel_tol=rtol,
                                     abs_tol=_tolerance(want["metrics"], tag, rtol)), tag
-            assert math.isclose(got["metrics"]["grad/global/norm"], want["metrics"]["grad/global/norm"], rel_tol=rtol)
+            assert math.isclose(got["metrics"]["grad/global/norm"], want["metrics"]["grad/global/norm"],
+                                rel_tol=layout_rtol)
 
 
 def test_router_loads_add_up_to_tokens_times_top_k_in_both_layouts(runs):
