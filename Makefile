@@ -16,7 +16,8 @@ PY312_TESTS := tests/test_megatron.py tests/test_megatron_moe.py tests/test_mega
 	"tests/test_lifecycle_order.py::test_lifecycle_calls_arrive_in_order[megatron]" \
 	tests/test_stats.py tests/test_monitor_torch.py tests/test_config.py
 export OMP_NUM_THREADS := 1
-# pytest-xdist: one test file per worker process (module fixtures stay shared), one worker per core
+# pytest-xdist: one test file per worker process (module fixtures stay shared); two workers for this
+# machine kind's two cores (TEST_WORKERS=0: every test in one process)
 TEST_WORKERS ?= 2
 PYTEST := -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 export DS_BUILD_OPS := 0

@@ -38,7 +38,6 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from multiproc import free_port
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core import utils as megatron_utils
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -51,6 +50,8 @@ from megatron.core.rerun_state_machine import (RerunMode, destroy_rerun_state_ma
                                                 initialize_rerun_state_machine)
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from multiproc import free_port
 
 
 @dataclass(frozen=True)
