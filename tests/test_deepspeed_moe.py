@@ -1,7 +1,14 @@
 """Router health of DeepSpeed MoE layers under DeepSpeedMonitor, on a real DeepSpeed engine
 (CPU, gloo, one rank): every top-k choice is an expert's load or dropped by the capacity,
 exactly; the gate's l_aux is the aux_loss; a collapse injected at step N raises one alert at
-N naming the gate; a clean run none."""
+N naming the gate; a clean run none.
+
+Expert parallelism (two ranks, `run_layouts`): the same model and data with ep_size 1 and 2, on
+ZeRO-0 and ZeRO-2. Every expert's gradient, weight and Adam moments are reported on every rank
+under its global number and equal the statistics of the expert's tensors on the rank holding it;
+the layouts agree within 1e-6 relative (norms and counts of their value, min/max/mean of the
+tensor's largest magnitude: the layouts differ only in the order float32 sums run in; measured
+<= 4.7e-7); DeepSpeed's own grad norm agrees with the merged one (no misreported_grad_norm alert)."""
 from __future__ import annotations
 
 import math
@@ -19,6 +26,14 @@ TOKENS = H.BATCH * H.SEQ * H.GAS  # per step: one rank, GAS micro-batches
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return run_ranks(H.run_cases, 1, str(tmp_path_factory.mktemp("ds_moe")), timeout=600)[0]
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    """case (zero<stage>-ep<size>) -> what each of the two ranks returned."""
+    ranks = run_ranks(H.run_layouts, 2, str(tmp_path_factory.mktemp("ds_moe_ep")), timeout=600,
+                      env={"DS_ACCELERATOR": "cpu"})
+    return {case: [rank[case] for rank in ranks] for case in ranks[0]}
 
 
 def _loads(metrics: dict) -> list[float]:
@@ -56,3 +71,68 @@ def test_a_collapsed_gate_raises_one_alert_at_that_step_naming_it(runs):
               if rule == "expert_collapse" and phase == "start"]
     assert starts == [(H.FAULT_STEP, f"{ROUTER}/load/1")]
     assert records[H.FAULT_STEP][1][f"{ROUTER}/load/1"] == TOKENS  # every token's first choice
+
+
+# ---- expert parallelism ------------------------------------------------------------------------------
+RTOL = 1e-6
+
+
+def _experts(metrics: dict) -> dict[str, float]:
+    return {t: v for t, v in metrics.items() if t.split("/")[0] in ("grad", "param", "optim") and H.EXPERTS_PATH in t}
+
+
+def _close(got: dict, want: dict, tag: str) -> bool:
+    """Norms and counts within RTOL of their value; min, max and mean within RTOL of the tensor's
+    largest magnitude (a mean of values of both signs is a difference of rounded numbers)."""
+    base, _, stat = tag.rpartition("/")
+    scale = max(abs(want[f"{base}/min"]), abs(want[f"{base}/max"])) if stat in ("min", "max", "mean") else 0.0
+    return math.isclose(got[tag], want[tag], rel_tol=RTOL, abs_tol=RTOL * scale)
+
+
+def test_every_rank_reports_every_expert_under_its_global_number(layouts):
+    for case, ranks in layouts.items():
+        first, second = ([m for _, m, _ in rank["records"]] for rank in ranks)
+        tags = _experts(first[0])
+        for expert in range(H.EXPERTS):
+            for part in ("0.weight", "0.bias", "2.weight", "2.bias"):
+                name = f"{H.EXPERTS_PATH}.{expert}.{part}"
+                assert {f"grad/{name}/norm", f"param/{name}/norm", f"optim/{name}/exp_avg_sq/norm"} <= set(tags), case
+        assert [_experts(m) for m in first] == [_experts(m) for m in second], case  # merged: the same on both
+        if case.endswith("ep2"):  # each rank runs its experts on both ranks' tokens: not measured as activations
+            assert not [t for t in first[0] if t.startswith("actv/") and ".deepspeed_experts." in t]
+
+
+def test_per_expert_statistics_equal_in_both_layouts_and_stages(layouts):
+    reference = [m for _, m, _ in layouts["zero0-ep1"][0]["records"]]
+    for case in ("zero0-ep2", "zero2-ep1", "zero2-ep2"):
+        for (_, got, _), want in zip(layouts[case][0]["records"], reference):
+            assert set(_experts(got)) == set(_experts(want)), case
+            bad = [t for t in _experts(want) if not _close(got, want, t)]
+            assert not bad, (case, bad[:5])
+
+
+def test_per_expert_statistics_equal_the_experts_tensors_on_the_rank_holding_them(layouts):
+    for case in ("zero0-ep1", "zero0-ep2"):
+        ranks = layouts[case]
+        for step, (_, got, _) in enumerate(ranks[0]["records"]):
+            truth = {t: v for rank in ranks for t, v in rank["truth"][step].items()}
+            assert len(truth) == H.EXPERTS * 4 * 3 * len(H.LAYOUT_STATS)  # experts x tensors x kinds x stats
+            bad = [t for t in truth if not _close(got, truth, t)]
+            assert not bad, (case, step, bad[:5])
+
+
+def test_deepspeeds_grad_norm_is_the_merged_one_and_no_rule_fires(layouts):
+    """ZeRO-2 averages each expert group's norm over its expert-data-parallel group
+    (`_average_expert_grad_norms`) after summing it over the whole data-parallel group: the
+    global norm, as the monitor merges it. ZeRO-0 fp32 reports none."""
+    for case, ranks in layouts.items():
+        for rank in ranks:
+            records = rank["records"]
+            assert len(records) == H.LAYOUT_STEPS and not [a for _, _, a in records if a], case
+            reported = [m.get("train/reported_grad_norm") for _, m, _ in records]
+            if case.startswith("zero0"):
+                assert reported == [None] * H.LAYOUT_STEPS
+                continue
+            assert reported == rank["ds_norms"]
+            for (_, m, _), norm in zip(records, rank["ds_norms"]):
+                assert math.isclose(m["grad/global/norm"], norm, rel_tol=1e-5), case
