@@ -7,6 +7,7 @@ one expert's gate weight on that feature sends every token to that expert (a col
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -44,10 +45,7 @@ CASES = {"capacity": (0.5, True, False), "no capacity": (1.0, False, False), "co
 
 
 def run_cases(rank: int, world: int, out: str) -> dict:
-    """Every case of CASES in this rank (a run of tests.multiproc.run_ranks)."""
-    from examples.deepspeed_train import init_distributed
-
-    init_distributed()
+    """Every case of CASES in this rank."""
     return {name: run(Path(out) / name.replace(" ", "_"), rank, *case) for name, case in CASES.items()}
 
 
@@ -84,16 +82,25 @@ def run(out: Path, rank: int, capacity_factor: float, drop_tokens: bool, fault: 
 EXPERTS_PATH = "moe.deepspeed_moe.experts.deepspeed_experts"
 LAYOUT_STEPS = 3
 LAYOUT_STATS = ("min", "max", "mean", "norm", "numel")
+BF16 = "zero0-bf16-ep2"
 
 
 def run_layouts(rank: int, world: int, out: str) -> dict:
     """Run in each of two ranks: the same model and data with ep_size 1 (every expert on both
-    ranks) and ep_size 2 (experts 0-1 on rank 0, 2-3 on rank 1), under ZeRO-0 and ZeRO-2."""
+    ranks) and ep_size 2 (experts 0-1 on rank 0, 2-3 on rank 1), under ZeRO-0 and ZeRO-2 (fp32),
+    and ZeRO-0 bf16 with ep_size 2 (DeepSpeed's grad norm leaves the experts out there)."""
+    runs = {f"zero{stage}-ep{ep}": run_layout(Path(out) / f"zero{stage}-ep{ep}", rank, stage, ep)
+            for stage in (0, 2) for ep in (1, world)}
+    runs[BF16] = run_layout(Path(out) / BF16, rank, 0, world, bf16=True)
+    return runs
+
+
+def run_all(rank: int, world: int, out: str) -> dict:
+    """The whole launch (tests.multiproc.run_ranks, two ranks): `run_cases` and `run_layouts`."""
     from examples.deepspeed_train import init_distributed
 
     init_distributed()
-    return {f"zero{stage}-ep{ep}": run_layout(Path(out) / f"zero{stage}-ep{ep}", rank, stage, ep)
-            for stage in (0, 2) for ep in (1, world)}
+    return {"cases": run_cases(rank, world, str(Path(out) / "cases")), "layouts": run_layouts(rank, world, out)}
 
 
 def _summary(tensor: torch.Tensor) -> dict[str, float]:
@@ -119,20 +126,23 @@ def _local_truth(model: TinyMoE, optimizer, grads: bool) -> dict[str, float]:
     return out
 
 
-def run_layout(out: Path, rank: int, stage: int, ep_size: int) -> dict:
+def run_layout(out: Path, rank: int, stage: int, ep_size: int, bf16: bool = False) -> dict:
     """LAYOUT_STEPS steps under DeepSpeedMonitor: the records, DeepSpeed's own grad norms and, on
-    ZeRO-0, the statistics of this rank's experts' tensors read at the monitor's points."""
+    ZeRO-0 fp32, the statistics of this rank's experts' tensors read at the monitor's points."""
     import deepspeed
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
     from msprobe_integrations.deepspeed import DeepSpeedMonitor
+    from tests.ds_helpers import Warnings
 
     torch.manual_seed(0)
     model = TinyMoE(1.0, False, ep_size)
     groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "all"})
     config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": GAS,
-              "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 6, "gradient_clipping": 0.0}
+              "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 6, "gradient_clipping": 0.0, "bf16": {"enabled": bf16}}
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-2), config=config)
+    truths = stage == 0 and not bf16
+    caught = Warnings()
     monitor = DeepSpeedMonitor(engine, {
         "output_dir": str(out), "strict": True, "sinks": ["jsonl"], "stats": list(LAYOUT_STATS),
         "watch": {"params": True, "optimizer_state": ["exp_avg", "exp_avg_sq"]},
@@ -144,12 +154,13 @@ def run_layout(out: Path, rank: int, stage: int, ep_size: int) -> dict:
         for _ in range(GAS):
             loss = engine(torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen))
             engine.backward(loss)
-            step_truth = _local_truth(model, inner, grads=True) if stage == 0 and engine.is_gradient_accumulation_boundary() else {}
+            step_truth = _local_truth(model, inner, grads=True) if truths and engine.is_gradient_accumulation_boundary() else {}
             engine.step()
-        truth.append({**step_truth, **(_local_truth(model, inner, grads=False) if stage == 0 else {})})
+        truth.append({**step_truth, **(_local_truth(model, inner, grads=False) if truths else {})})
         norm = engine.get_global_grad_norm()
         norms.append(None if norm is None else float(norm))
     monitor.close()
+    logging.getLogger("msprobe_engine").removeHandler(caught)
     return {"records": [(r.step, dict(r.metrics), [(a.rule, a.phase, a.tag) for a in r.alerts])
                         for r in monitor.history],
-            "truth": truth, "ds_norms": norms}
+            "truth": truth, "ds_norms": norms, "warnings": caught.messages}

@@ -86,7 +86,7 @@ class DeepSpeedMonitor(Integration):
         from msprobe_engine.frameworks.torch.module_hooks import ModuleHooks
         from msprobe_engine.frameworks.torch.router_hooks import attach_routers
         from msprobe_integrations.deepspeed.experts import EXPERT_MODULES, expert_layers
-        from msprobe_integrations.deepspeed.hooks import EngineHooks
+        from msprobe_integrations.deepspeed.hooks import EngineHooks, norm_not_comparable
         from msprobe_integrations.deepspeed.merge import RankMerge
         from msprobe_integrations.deepspeed.routers import attach_gates
         from msprobe_integrations.deepspeed.shards import shard_reader
@@ -95,7 +95,8 @@ class DeepSpeedMonitor(Integration):
         distributed = dist.is_initialized()
         group = getattr(engine, "seq_data_parallel_group", None) or engine.data_parallel_group
         reducer = RankMerge(group, per_rank=config.per_rank)
-        if distributed and expert_layers(engine.module, reducer.world):  # EP > 1: experts' own activations
+        layers = expert_layers(engine.module, reducer.world) if distributed else []
+        if layers:  # EP > 1: the experts' own activations are other ranks' tokens
             modules = dataclasses.replace(config.modules, exclude_regex=[*config.modules.exclude_regex, EXPERT_MODULES])
             config = dataclasses.replace(config, modules=modules)
         # steps follow DeepSpeed's, also after a resume
@@ -108,10 +109,11 @@ class DeepSpeedMonitor(Integration):
         if engine.mpu is not None:
             monitor.warn("model parallelism is set: statistics are merged over the data-parallel group "
                          "only; set per_rank: true to keep every model-parallel rank's records")
-            if any(rule.rule == "misreported_grad_norm" for rule in config.alerts):
-                monitor.warn("misreported_grad_norm with model parallelism: DeepSpeed's grad norm covers the "
-                             "model-parallel ranks, the monitor's only this rank's part; it is not checked")
-        reader = shard_reader(engine, dist.get_rank(group) if distributed else 0, reducer.world, monitor.warn)
+        other_norm = norm_not_comparable(engine)
+        if other_norm and any(rule.rule == "misreported_grad_norm" for rule in config.alerts):
+            monitor.warn(f"misreported_grad_norm: {other_norm}; it is not checked")
+        reader = shard_reader(engine, dist.get_rank(group) if distributed else 0, reducer.world, monitor.warn,
+                              layers)
         monitor.add_attachment(ModuleHooks(monitor, engine.module), EngineHooks(monitor, engine, reader),
                                *attach_gates(monitor, engine.module), *attach_routers(monitor, engine.module))
         if engine_monitor:

@@ -18,6 +18,9 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from msprobe_integrations.deepspeed.experts import ExpertLayer, expert_groups, global_names
+
+
 class ShardReader(ABC):
     """The pieces of one engine's tensors that this rank measures, in `names` order."""
 
@@ -190,26 +193,23 @@ def balanced_owners(numels: Sequence[int], world: int) -> list[int]:
     return owners
 
 
-def shard_reader(engine, rank: int, world: int, warn: Callable[[str], None]) -> ShardReader | None:
-    """The reader for this engine's optimizer, or None (with a warning saying what is lost); under
-    expert parallelism, with global expert names (`GlobalExperts`)."""
-    from msprobe_integrations.deepspeed.experts import expert_layers, global_names
-
-    layers = expert_layers(engine.module, world)
+def shard_reader(engine, rank: int, world: int, warn: Callable[[str], None],
+                 layers: Sequence[ExpertLayer] = ()) -> ShardReader | None:
+    """The reader for this engine's optimizer, or None (with a warning saying what is lost); with
+    expert-parallel MoE `layers`, under global expert names (`GlobalExperts`)."""
     reader = _local_reader(engine, rank, world, warn, layers)
     if reader is None or not layers:
         return reader
     return GlobalExperts(reader, *global_names(reader.names, layers))
 
 
-def _local_reader(engine, rank: int, world: int, warn: Callable[[str], None], layers) -> ShardReader | None:
+def _local_reader(engine, rank: int, world: int, warn: Callable[[str], None],
+                  layers: Sequence[ExpertLayer]) -> ShardReader | None:
     """The reader for this engine's optimizer under this rank's own parameter names."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    from msprobe_integrations.deepspeed.experts import expert_groups
 
     optimizer = engine.optimizer
     stage = engine.zero_optimization_stage()
