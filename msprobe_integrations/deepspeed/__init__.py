@@ -47,7 +47,7 @@ links DeepSpeed's own `safe_get_full_*` helpers use; ZeRO-0 fp16/bf16
 (`FP16_UnfusedOptimizer`): `fp16_groups` / `fp32_groups`; MoE: `deepspeed.moe.sharded_moe.TopKGate`
 (`wg`, `k`, `drop_tokens`, and what its forward returns), `MOELayer` (`ep_size`, `ep_group`,
 `ep_group_name`, `num_local_experts`), `experts.deepspeed_experts`,
-`deepspeed.utils.groups._get_expert_data_parallel_group`.
+`deepspeed.utils.groups._get_expert_data_parallel_group`, `deepspeed.moe.utils.is_moe_param`.
 
 Not supported: pipeline engines (`PipelineEngine`, an error), optimizer wrappers
 other than those above (a warning; activations and loss are still monitored).
