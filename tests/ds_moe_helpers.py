@@ -139,7 +139,8 @@ def run_layout(out: Path, rank: int, stage: int, ep_size: int, bf16: bool = Fals
     model = TinyMoE(1.0, False, ep_size)
     groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "all"})
     config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": GAS,
-              "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 6, "gradient_clipping": 0.0, "bf16": {"enabled": bf16}}
+              "zero_optimization": {"stage": stage}, "steps_per_print": 10 ** 6, "gradient_clipping": 0.0,
+              "bf16": {"enabled": bf16}}
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-2), config=config)
     truths = stage == 0 and not bf16
     caught = Warnings()
@@ -149,12 +150,13 @@ def run_layout(out: Path, rank: int, stage: int, ep_size: int, bf16: bool = Fals
         "alerts": [{"rule": "non_finite"}, {"rule": "misreported_grad_norm", "tolerance": 1e-5}]})
     inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
     gen = torch.Generator().manual_seed(1 + rank)
-    truth, norms = [], []
+    truth, norms, step_truth = [], [], {}
     for _ in range(LAYOUT_STEPS):
         for _ in range(GAS):
             loss = engine(torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen))
             engine.backward(loss)
-            step_truth = _local_truth(model, inner, grads=True) if truths and engine.is_gradient_accumulation_boundary() else {}
+            if truths and engine.is_gradient_accumulation_boundary():
+                step_truth = _local_truth(model, inner, grads=True)
             engine.step()
         truth.append({**step_truth, **(_local_truth(model, inner, grads=False) if truths else {})})
         norm = engine.get_global_grad_norm()

@@ -6,11 +6,12 @@ or dropped by the capacity, exactly; the gate's l_aux is the aux_loss; a collaps
 step N raises one alert at N naming the gate; a clean run none.
 
 Expert parallelism (`run_layouts`): the same model and data with ep_size 1 and 2, on ZeRO-0 and
-ZeRO-2 (fp32; ZeRO-0 bf16 for DeepSpeed's grad norm). Every expert's gradient, weight and Adam moments are reported on every rank
-under its global number and equal the statistics of the expert's tensors on the rank holding it;
-the layouts agree within 1e-6 relative (norms and counts of their value, min/max/mean of the
-tensor's largest magnitude: the layouts differ only in the order float32 sums run in; measured
-<= 4.7e-7); DeepSpeed's own grad norm is checked where it is the merged one, and no rule fires."""
+ZeRO-2 (fp32; ZeRO-0 bf16 for DeepSpeed's grad norm). Every expert's gradient, weight and Adam
+moments are reported on every rank under its global number and equal the statistics of the
+expert's tensors on the rank holding it; the layouts agree within 1e-6 relative (norms and
+counts of their value, min/max/mean of the tensor's largest magnitude: the layouts differ only
+in the order float32 sums run in; measured <= 4.7e-7); DeepSpeed's own grad norm is checked
+where it is the merged one, and no rule fires."""
 from __future__ import annotations
 
 import math

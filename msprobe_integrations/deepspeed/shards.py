@@ -155,7 +155,6 @@ class GlobalExperts(ShardReader):
     def __init__(self, reader: ShardReader, names: Sequence[str], index: Sequence[int | None]) -> None:
         self.reader = reader
         self.names = list(names)
-        self.params = [None if i is None else reader.params[i] for i in index]
         self.empty = reader.empty
         self._index = list(index)
 
