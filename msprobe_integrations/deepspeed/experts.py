@@ -63,31 +63,38 @@ def expert_layers(model: torch.nn.Module, dp_world: int) -> list[ExpertLayer]:
     return layers
 
 
+def _expert_of(name: str, by_head: dict[str, ExpertLayer]) -> tuple[ExpertLayer, re.Match] | None:
+    """The expert-parallel layer a parameter name belongs to, with the name's parts; None: dense."""
+    match = EXPERT_NAME.match(name)
+    layer = by_head.get(match["head"]) if match else None
+    return None if layer is None else (layer, match)
+
+
 def global_names(names: Sequence[str], layers: Sequence[ExpertLayer]) -> tuple[list[str], list[int | None]]:
     """Every parameter name with each expert layer's parameters listed for its global experts 0 ..
     E - 1 (at the place of its first expert parameter), and for each the position of this rank's
     own parameter in `names` (None: another rank holds that expert)."""
     by_head = {layer.head: layer for layer in layers}
+    experts = [_expert_of(name, by_head) for name in names]
     tails: dict[str, list[str]] = {}
     own: dict[str, int] = {}
-    for at, name in enumerate(names):
-        match = EXPERT_NAME.match(name)
-        layer = by_head.get(match["head"]) if match else None
-        if layer is None:
+    for at, expert in enumerate(experts):
+        if expert is None:
             continue
+        layer, match = expert
         local = int(match["expert"])
         if local == 0:
             tails.setdefault(layer.head, []).append(match["tail"])
         own[f"{layer.head}{layer.ep_rank * layer.local + local}{match['tail']}"] = at
     out: list[str] = []
     index: list[int | None] = []
-    for at, name in enumerate(names):
-        match = EXPERT_NAME.match(name)
-        layer = by_head.get(match["head"]) if match else None
-        if layer is None:
+    for at, (name, expert) in enumerate(zip(names, experts)):
+        if expert is None:
             out.append(name)
             index.append(at)
-        elif int(match["expert"]) == 0 and match["tail"] == tails[layer.head][0]:
+            continue
+        layer, match = expert
+        if int(match["expert"]) == 0 and match["tail"] == tails[layer.head][0]:
             full = [f"{layer.head}{e}{tail}" for e in range(layer.experts) for tail in tails[layer.head]]
             out += full
             index += [own.get(n) for n in full]
@@ -100,7 +107,10 @@ def expert_groups(names: Sequence[str], layers: Sequence[ExpertLayer]) -> list[t
     by_head = {layer.head: layer for layer in layers}
     out: list[tuple[int, int] | None] = []
     for name in names:
-        match = EXPERT_NAME.match(name)
-        layer = by_head.get(match["head"]) if match else None
-        out.append(None if layer is None else (dist.get_rank(layer.edp_group), dist.get_world_size(layer.edp_group)))
+        expert = _expert_of(name, by_head)
+        if expert is None:
+            out.append(None)
+            continue
+        group = expert[0].edp_group
+        out.append((dist.get_rank(group), dist.get_world_size(group)))
     return out
