@@ -13,6 +13,9 @@
 What is read, and where (ZeRO 0/1/2/3; fp32, bf16, fp16):
 - activations: forward hooks on `engine.module` (names without the engine prefix);
   a micro-step is one forward of `engine.module`;
+- expert parameters of DeepSpeed MoE layers with `ep_size > 1`: under their global expert number
+  (`moe.deepspeed_moe.experts.deepspeed_experts.<e>`, as DeepSpeed's MoE checkpoints), every expert
+  listed on every rank (`experts`); the experts' own activations are not measured then;
 - router health (`watch.routers`): forward hooks on DeepSpeed MoE's `TopKGate`s
   (`deepspeed.moe.sharded_moe`, see `routers`) and on transformers' routers;
 - parameter gradients: once per optimizer step, at the accumulation boundary
@@ -42,13 +45,16 @@ ZeRO-1/2 and BF16_Optimizer: `param._hp_mapping` (`get_lp_grad_fragment`,
 `get_hp_fragment`, `lp_fragment_address`) and `param._index_in_param_group`, the
 links DeepSpeed's own `safe_get_full_*` helpers use; ZeRO-0 fp16/bf16
 (`FP16_UnfusedOptimizer`): `fp16_groups` / `fp32_groups`; MoE: `deepspeed.moe.sharded_moe.TopKGate`
-(`wg`, `k`, `drop_tokens`, and what its forward returns).
+(`wg`, `k`, `drop_tokens`, and what its forward returns), `MOELayer` (`ep_size`, `ep_group`,
+`ep_group_name`, `num_local_experts`), `experts.deepspeed_experts`,
+`deepspeed.utils.groups._get_expert_data_parallel_group`, `deepspeed.moe.utils.is_moe_param`.
 
 Not supported: pipeline engines (`PipelineEngine`, an error), optimizer wrappers
 other than those above (a warning; activations and loss are still monitored).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from msprobe_engine.config import ConfigError, ConfigSource, MonitorConfig, load_config
@@ -79,7 +85,8 @@ class DeepSpeedMonitor(Integration):
         from msprobe_engine.frameworks.torch import backend as torch_backend
         from msprobe_engine.frameworks.torch.module_hooks import ModuleHooks
         from msprobe_engine.frameworks.torch.router_hooks import attach_routers
-        from msprobe_integrations.deepspeed.hooks import EngineHooks
+        from msprobe_integrations.deepspeed.experts import EXPERT_MODULES, expert_layers
+        from msprobe_integrations.deepspeed.hooks import EngineHooks, norm_not_comparable
         from msprobe_integrations.deepspeed.merge import RankMerge
         from msprobe_integrations.deepspeed.routers import attach_gates
         from msprobe_integrations.deepspeed.shards import shard_reader
@@ -88,6 +95,10 @@ class DeepSpeedMonitor(Integration):
         distributed = dist.is_initialized()
         group = getattr(engine, "seq_data_parallel_group", None) or engine.data_parallel_group
         reducer = RankMerge(group, per_rank=config.per_rank)
+        layers = expert_layers(engine.module, reducer.world) if distributed else []
+        if layers:  # EP > 1: the experts' own activations are other ranks' tokens
+            modules = dataclasses.replace(config.modules, exclude_regex=[*config.modules.exclude_regex, EXPERT_MODULES])
+            config = dataclasses.replace(config, modules=modules)
         # steps follow DeepSpeed's, also after a resume
         start_step = engine.global_steps if start_step is None else start_step
         self._step_offset = start_step - engine.global_steps
@@ -98,10 +109,11 @@ class DeepSpeedMonitor(Integration):
         if engine.mpu is not None:
             monitor.warn("model parallelism is set: statistics are merged over the data-parallel group "
                          "only; set per_rank: true to keep every model-parallel rank's records")
-            if any(rule.rule == "misreported_grad_norm" for rule in config.alerts):
-                monitor.warn("misreported_grad_norm with model parallelism: DeepSpeed's grad norm covers the "
-                             "model-parallel ranks, the monitor's only this rank's part; it is not checked")
-        reader = shard_reader(engine, dist.get_rank(group) if distributed else 0, reducer.world, monitor.warn)
+        other_norm = norm_not_comparable(engine)
+        if other_norm and any(rule.rule == "misreported_grad_norm" for rule in config.alerts):
+            monitor.warn(f"misreported_grad_norm: {other_norm}; it is not checked")
+        reader = shard_reader(engine, dist.get_rank(group) if distributed else 0, reducer.world, monitor.warn,
+                              layers)
         monitor.add_attachment(ModuleHooks(monitor, engine.module), EngineHooks(monitor, engine, reader),
                                *attach_gates(monitor, engine.module), *attach_routers(monitor, engine.module))
         if engine_monitor:

@@ -49,6 +49,23 @@ def _no_op(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+def norm_not_comparable(engine: Any) -> str | None:
+    """Why `engine.get_global_grad_norm()` is not the norm of the gradients the monitor merges
+    (None: it is). With model parallelism (`engine.mpu`) it covers the model-parallel ranks, the
+    merge the data-parallel group only. DeepSpeed 0.19.8's ZeRO-0 fp16/bf16 wrapper
+    (`FP16_UnfusedOptimizer`) leaves the MoE experts' gradients out of it (its `_global_grad_norm`
+    is the non-expert groups' norm), whatever the expert-parallel size; ZeRO-1/2 and
+    `BF16_Optimizer` include them."""
+    from deepspeed.moe.utils import is_moe_param
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    if engine.mpu is not None:
+        return "DeepSpeed's grad norm covers the model-parallel ranks, the monitor's only this rank's part"
+    if isinstance(engine.optimizer, FP16_UnfusedOptimizer) and any(map(is_moe_param, engine.module.parameters())):
+        return "DeepSpeed's ZeRO-0 fp16/bf16 grad norm leaves out the MoE experts' gradients"
+    return None
+
+
 class EngineHooks:
     """Reads one DeepSpeed engine's gradients, parameters and optimizer state per optimizer step."""
 
@@ -69,6 +86,7 @@ class EngineHooks:
         self.param_keys = [MetricKey("param", n) for n in names] if watch.params or self.update else []
         self.states = [s for s in watch.optimizer_state if s in ("exp_avg", "exp_avg_sq")]
         self.fp16 = engine.fp16_enabled()
+        self._other_norm = norm_not_comparable(engine)
         self._overflow = False
         self._before: list[torch.Tensor] | None = None
         self._losses: list[torch.Tensor] = []
@@ -189,9 +207,9 @@ class EngineHooks:
         the step. None (nothing reported): ZeRO-0 fp32 (a plain torch optimizer keeps none) and
         `zero_optimization.compute_grad_norm: false`. A float inf is DeepSpeed's overflow marker,
         not a norm: it is not reported either (the gradient rows show the inf/nan themselves).
-        With model parallelism (`engine.mpu`) DeepSpeed's norm covers the model-parallel ranks and
-        the monitor's the data-parallel group only: not reported."""
-        if not self.grad_keys or self.engine.mpu is not None:  # (mpu: over other ranks than the merge)
+        Not reported either where DeepSpeed's norm covers other gradients than the monitor's merged
+        one (`norm_not_comparable`)."""
+        if not self.grad_keys or self._other_norm:
             return
         with self.monitor.guard("DeepSpeed global grad norm"):
             norm = self.engine.get_global_grad_norm()

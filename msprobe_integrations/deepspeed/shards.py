@@ -18,6 +18,9 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from msprobe_integrations.deepspeed.experts import ExpertLayer, expert_groups, global_names
+
+
 class ShardReader(ABC):
     """The pieces of one engine's tensors that this rank measures, in `names` order."""
 
@@ -57,10 +60,18 @@ class ReplicatedReader(ShardReader):
     an fp32 torch optimizer, the fp32 copy for DeepSpeed's fp16/bf16 wrapper)."""
 
     def __init__(self, named_params, inner_optimizer, device, masters: dict[int, torch.Tensor],
-                 rank: int, world: int) -> None:
+                 rank: int, world: int, groups: Sequence[tuple[int, int] | None] = ()) -> None:
         super().__init__(named_params, inner_optimizer, device)
-        owners = balanced_owners([p.numel() for p in self.params], world)
-        self._mine = [owner == rank for owner in owners]
+        # owners are chosen within the ranks holding a copy: the data-parallel group, or an expert's
+        # expert-data-parallel group (`groups`, None for a dense parameter)
+        groups = list(groups) or [None] * len(self.params)
+        self._mine = [False] * len(self.params)
+        for group in set(groups):
+            at = [i for i, g in enumerate(groups) if g == group]
+            mine, size = group or (rank, world)
+            owners = balanced_owners([self.params[i].numel() for i in at], size)
+            for i, owner in zip(at, owners):
+                self._mine[i] = owner == mine
         self._masters = [masters.get(id(p)) for p in self.params]
 
     def grads(self) -> list[torch.Tensor]:
@@ -137,6 +148,32 @@ class Stage3Reader(ShardReader):
         return [self.empty if t is None else t.reshape(-1)[:n] for t, n in zip(pieces, self._valid)]
 
 
+class GlobalExperts(ShardReader):
+    """Another reader's pieces with every expert of each expert-parallel MoE layer listed under its
+    global name, an empty piece where another rank holds it (`experts.global_names`)."""
+
+    def __init__(self, reader: ShardReader, names: Sequence[str], index: Sequence[int | None]) -> None:
+        self.reader = reader
+        self.names = list(names)
+        self.empty = reader.empty
+        self._index = list(index)
+
+    def _place(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [self.empty if i is None else pieces[i] for i in self._index]
+
+    def grads(self) -> list[torch.Tensor]:
+        return self._place(self.reader.grads())
+
+    def masters(self) -> list[torch.Tensor]:
+        return self._place(self.reader.masters())
+
+    def state(self, key: str) -> list[torch.Tensor]:
+        return self._place(self.reader.state(key))
+
+    def state_keys(self) -> set[str]:
+        return self.reader.state_keys()
+
+
 def _valid_numel(param: torch.nn.Parameter) -> int:
     """How many of this rank's partition elements belong to the ZeRO-3 parameter."""
     size = param.partition_numel()
@@ -155,8 +192,19 @@ def balanced_owners(numels: Sequence[int], world: int) -> list[int]:
     return owners
 
 
-def shard_reader(engine, rank: int, world: int, warn: Callable[[str], None]) -> ShardReader | None:
-    """The reader for this engine's optimizer, or None (with a warning saying what is lost)."""
+def shard_reader(engine, rank: int, world: int, warn: Callable[[str], None],
+                 layers: Sequence[ExpertLayer] = ()) -> ShardReader | None:
+    """The reader for this engine's optimizer, or None (with a warning saying what is lost); with
+    expert-parallel MoE `layers`, under global expert names (`GlobalExperts`)."""
+    reader = _local_reader(engine, rank, world, warn, layers)
+    if reader is None or not layers:
+        return reader
+    return GlobalExperts(reader, *global_names(reader.names, layers))
+
+
+def _local_reader(engine, rank: int, world: int, warn: Callable[[str], None],
+                  layers: Sequence[ExpertLayer]) -> ShardReader | None:
+    """The reader for this engine's optimizer under this rank's own parameter names."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
@@ -171,6 +219,7 @@ def shard_reader(engine, rank: int, world: int, warn: Callable[[str], None]) -> 
     named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
     inner = getattr(optimizer, "optimizer", optimizer)
     device = engine.device
+    groups = expert_groups([n for n, _ in named], layers)
     if stage == 3 and isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
         return Stage3Reader(named, inner, device)
     if isinstance(optimizer, BF16_Optimizer) or (stage in (1, 2)
@@ -179,9 +228,9 @@ def shard_reader(engine, rank: int, world: int, warn: Callable[[str], None]) -> 
     if stage == 0 and isinstance(optimizer, FP16_UnfusedOptimizer):
         masters = {id(lp): hp for lps, hps in zip(optimizer.fp16_groups, optimizer.fp32_groups)
                    for lp, hp in zip(lps, hps)}
-        return ReplicatedReader(named, inner, device, masters, rank, world)
+        return ReplicatedReader(named, inner, device, masters, rank, world, groups)
     if stage == 0 and isinstance(optimizer, torch.optim.Optimizer):
-        return ReplicatedReader(named, inner, device, {id(p): p for _, p in named}, rank, world)
+        return ReplicatedReader(named, inner, device, {id(p): p for _, p in named}, rank, world, groups)
     warn(f"ZeRO stage {stage} with optimizer {type(optimizer).__name__} is not understood by the "
          f"DeepSpeed integration: {lost}")
     return None
