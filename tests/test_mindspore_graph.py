@@ -193,10 +193,17 @@ def pynative(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["graph", "jit", "model-sink"])
+@pytest.mark.parametrize("how", ["graph", "model-sink"])
 def test_compiled_activation_statistics_equal_pynative_and_losses_are_unchanged(tmp_path, pynative, how):
     """`model-sink`: Model.train with dataset sink mode, against the run without the monitor and
-    without sink mode (which MindSpore's CPU backend does not honour: the same graph)."""
+    without sink mode (which MindSpore's CPU backend does not honour: the same graph). The jit
+    train step: the fast lane's test below."""
+    assert_compiled_run_equals_pynative(how, tmp_path, pynative)
+
+
+def assert_compiled_run_equals_pynative(how: str, tmp_path, pynative) -> None:
+    """Every step's activation statistics of a run trained `how` equal PyNative's; its losses are
+    bitwise those of the same compiled run without the monitor."""
     losses, history = train(how, tmp_path / "on")
     reference_losses, reference = pynative
     assert [r.step for r in history] == list(range(STEPS))
@@ -209,10 +216,12 @@ def test_compiled_activation_statistics_equal_pynative_and_losses_are_unchanged(
     assert losses == without  # bitwise: the taps change no value the step computes
 
 
-def test_a_jit_train_step_measures_activations_with_one_transfer_per_step(tmp_path, pynative):
-    """The fast lane's check of the in-graph capture (one compiled way, step 0 only)."""
-    losses, history = train("jit", tmp_path)
-    assert_same_activations(activation_metrics(history[0]), activation_metrics(pynative[1][0]))
+def test_a_jit_train_step_measures_activations_as_pynative_and_leaves_the_losses_unchanged(tmp_path, pynative, capfd):
+    """The fast lane's check of the in-graph capture (a `mindspore.jit` train step). The taps'
+    graph compiles and runs without MindSpore's KERNEL warnings (its C++ log goes to fd 2)."""
+    assert_compiled_run_equals_pynative("jit", tmp_path, pynative)
+    err = capfd.readouterr().err
+    assert "KERNEL" not in err and "For 'Cast'" not in err, err[-2000:]
 
 
 def incident_of(tmp_path, step: int) -> tuple[dict, object]:
@@ -417,7 +426,7 @@ class LMLoss(nn.Cell):
 
 def train_gpt2(how: str, tmp_path=None):
     from transformers import GPT2Config
-    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0)
+    cfg = GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0)
     ms.set_context(mode=ms.PYNATIVE_MODE if how == "pynative" else ms.GRAPH_MODE)
     try:
         ms.set_seed(0)
@@ -446,8 +455,8 @@ def test_a_gpt2_ported_from_a_transformers_config_measures_as_in_pynative(tmp_pa
     losses, history = train_gpt2("graph", tmp_path / "graph")
     for record, want in zip(history, reference):
         got = activation_metrics(record)
-        for tag in ("actv/h.0.attn/output/norm", "actv/h.1.mlp.1/output/max", "actv/wte/input.0/max",
-                    "actv_grad/h.0.ln_1/output/norm", "actv/h.1.attn.softmax/output/min"):
+        for tag in ("actv/h.0.attn/output/norm", "actv/h.0.mlp.1/output/max", "actv/wte/input.0/max",
+                    "actv_grad/h.0.ln_1/output/norm", "actv/h.0.attn.softmax/output/min"):
             assert tag in got, tag
         want = activation_metrics(want)
         keyword = {tag for tag in want if "/input.mask/" in tag}  # keyword inputs: PyNative only
