@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
+import orjson
 
 from msprobe_engine.dump.entry import TensorSlot, render_entries
 from msprobe_engine.dump.reader import CONSTRUCT_JSON, DUMP_JSON, STACK_JSON, TENSOR_DIR
@@ -76,17 +77,48 @@ def rank_dir_name(rank: int | None, legacy: bool = False) -> str:
     return "rank" if legacy else f"proc{os.getpid()}"
 
 
-def dump_json_text(meta: dict[str, Any], data: dict[str, Any]) -> str:
-    """dump.json text: the top-level keys, then one line per entry (NaN/Infinity as in the reference)."""
-    head = "".join(f" {json.dumps(key)}: {json.dumps(value)},\n" for key, value in meta.items())
-    body = ",\n".join(f"  {json.dumps(name)}: {json.dumps(entry)}" for name, entry in data.items())
-    return "{\n" + head + ' "data": {\n' + body + ("\n" if body else "") + " }\n}\n"
+def json_special(value: float) -> orjson.Fragment:
+    """A non-finite float as the reference writes it (``NaN``, ``Infinity``, ``-Infinity``): orjson
+    would write null."""
+    return _SPECIAL["NaN" if value != value else "Infinity" if value > 0 else "-Infinity"]
+
+
+_SPECIAL = {text: orjson.Fragment(text.encode()) for text in ("NaN", "Infinity", "-Infinity")}
+
+
+def dump_json_text(meta: dict[str, Any], data: dict[str, Any]) -> bytes:
+    """dump.json (UTF-8): the top-level keys, then one line per entry (C-encoded by orjson; NaN and
+    Infinity as in the reference where `data` holds them as `json_special` fragments)."""
+    dumps = orjson.dumps
+    head = b"".join(b" %s: %s,\n" % (dumps(key), dumps(value)) for key, value in meta.items())
+    body = b",\n".join(b"  %s: %s" % (dumps(name), dumps(entry)) for name, entry in data.items())
+    return b"{\n" + head + b' "data": {\n' + body + (b"\n" if body else b"") + b" }\n}\n"
+
+
+def json_document(value: Any) -> bytes:
+    """A JSON file of plain values (stack.json, construct.json), indented, C-encoded."""
+    return orjson.dumps(value, option=orjson.OPT_INDENT_2) + b"\n"
 
 
 def format_stack(frames: Frames) -> list[str]:
-    """Frames as the predecessor writes them: ``File <path>, line <n>, in <func>, \\n <code>``."""
-    return [f"File {file}, line {line}, in {func}, \n {linecache.getline(file, line).strip()}"
-            for file, line, func in frames]
+    """Frames as the predecessor writes them: ``File <path>, line <n>, in <func>, \\n <code>``
+    (each frame's text made once per process, `MAX_FRAME_TEXTS` at most kept)."""
+    texts = _frame_texts
+    listed = []
+    for frame in frames:
+        text = texts.get(frame)
+        if text is None:
+            if len(texts) >= MAX_FRAME_TEXTS:
+                texts.clear()
+            file, line, func = frame
+            text = texts[frame] = f"File {file}, line {line}, in {func}, \n {linecache.getline(file, line).strip()}"
+        listed.append(text)
+    return listed
+
+
+#: most frame texts `format_stack` keeps
+MAX_FRAME_TEXTS = 1 << 16
+_frame_texts: dict[tuple[str, int, str], str] = {}
 
 
 def stack_document(stacks: dict[str, Frames | StackNode], legacy: bool = False) -> dict[str, Any]:
@@ -114,9 +146,9 @@ class StepIncomplete(Exception):
     """A file of the step could not be written whole; the message says which and why."""
 
 
-def write_file(path: Path, text: str) -> None:
-    """Write `text` and sync it; raise `StepIncomplete` when the file on disk is shorter."""
-    data = text.encode("utf-8")
+def write_file(path: Path, text: str | bytes) -> None:
+    """Write `text` (bytes: as they are) and sync it; raise `StepIncomplete` when the file on disk is shorter."""
+    data = text.encode("utf-8") if isinstance(text, str) else text
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
@@ -234,15 +266,15 @@ class StepFiles:
         if self.failure is not None:
             raise StepIncomplete(self.failure)
         self._prepare()
-        data = render_entries(entries, host_rows, meta.get("framework", "pytorch"))
+        data = render_entries(entries, host_rows, meta.get("framework", "pytorch"), json_special)
         if _saves_tensors(meta.get("task")):
             meta = {**meta, "dump_data_dir": str((self.final / TENSOR_DIR).resolve())}
             self._check_listed(data)
         write_file(self.partial / DUMP_JSON, dump_json_text(meta, data))
         if stacks is not None:
-            write_file(self.partial / STACK_JSON, json.dumps(stack_document(stacks, self.legacy), indent=1))
+            write_file(self.partial / STACK_JSON, json_document(stack_document(stacks, self.legacy)))
         if construct is not None:
-            write_file(self.partial / CONSTRUCT_JSON, json.dumps(construct, indent=1))
+            write_file(self.partial / CONSTRUCT_JSON, json_document(construct))
         for name, content in (extra or {}).items():
             write_file(self.partial / name, json.dumps(content, indent=1))
         if self.final.exists():
