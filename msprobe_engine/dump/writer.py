@@ -6,7 +6,10 @@ place: a crash at any moment leaves either a complete rank directory or none (th
 ignores ``.partial`` directories). The rename happens only when every file the step's
 dump.json lists was written whole (its size on disk is what was written); a write that failed
 (full disk, file-size limit) makes `commit` raise `StepIncomplete`, and the session drops the
-step and removes its ``.partial`` directory. A single-process run writes ``proc<pid>/`` as the predecessor
+step and removes its ``.partial`` directory. Files are not synced (no ``fsync``): a process that
+dies leaves what it wrote in the page cache, which the kernel writes back; syncing would make
+the writer wait for the disk on every step (the tensor files' data included, on ext4) and
+protects only against a power loss. A single-process run writes ``proc<pid>/`` as the predecessor
 (mindstudio-probe 26.2) does, or ``rank/`` with its 1.x spelling (``predecessor_format: "1.x"``).
 """
 from __future__ import annotations
@@ -147,22 +150,20 @@ class StepIncomplete(Exception):
 
 
 def write_file(path: Path, text: str | bytes) -> None:
-    """Write `text` (bytes: as they are) and sync it; raise `StepIncomplete` when the file on disk is shorter."""
+    """Write `text` (bytes: as they are); raise `StepIncomplete` when the file on disk is shorter.
+    Not synced (see the module docstring)."""
     data = text.encode("utf-8") if isinstance(text, str) else text
     with open(path, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
     _check_size(path, len(data))
 
 
-def save_whole(save: Callable[[Any, Any], None], value: Any, path: Path) -> int:
-    """`save(value, file)` into a new file at `path`; its size, checked on disk."""
-    with open(path, "wb") as f:
-        save(value, f)
-        size = f.tell()
-    _check_size(path, size)
-    return size
+def save_whole(save: Callable[[Any, str], None], value: Any, path: Path) -> int:
+    """`save(value, path)` into a new file; its size on disk. The saver opens the file itself
+    (torch.save's C++ writer: no Python file object copying every record) and raises when a
+    write falls short (full disk, file-size limit)."""
+    save(value, str(path))
+    return os.stat(path).st_size
 
 
 def _check_size(path: Path, size: int) -> None:
@@ -241,7 +242,7 @@ class StepFiles:
 
     def write_tensors(self, items: Sequence[tuple[TensorSlot, Any]], save: Callable[[Any, Any], None] | None,
                       checksum: Callable[[Any], str] | None) -> None:
-        """Save tensor copies under their data_name (`save(tensor, file)`) and/or set their slots'
+        """Save tensor copies under their data_name (`save(tensor, path)`) and/or set their slots'
         CRC-32. After a failed write the step's other tensors are not saved (it is dropped)."""
         if self.failure is not None:
             return
