@@ -74,7 +74,7 @@ $(VENV)/.all: $(VENV)/.core
 # tests/test_megatron_bridge.py.
 $(VENV312)/.ready: constraints-py312.txt
 	test -x $(PY312) || $(PYTHON312) -m venv $(VENV312)
-	$(PIP312) torch megatron-core numpy pyyaml tensorboard google-crc32c pytest
+	$(PIP312) torch megatron-core numpy pyyaml tensorboard google-crc32c orjson pytest
 	$(PIP312) --no-deps megatron-bridge
 	touch $@
 

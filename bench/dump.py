@@ -19,6 +19,7 @@ time / time the dump added to training (medians of three interleaved rounds); go
 The LAST printed line is one JSON object of ratios and the load average.
 
     OMP_NUM_THREADS=1 python bench/dump.py [--rounds 3] [--steps 40] [--warmup 5] [--tensor-steps 8]
+        [--no-predecessor]
 """
 from __future__ import annotations
 
@@ -53,17 +54,19 @@ def train_step(model: TinyGPT, opt: torch.optim.Optimizer, batch) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def step_times(rounds: int, steps: int, warmup: int) -> dict[str, float]:
+def step_times(rounds: int, steps: int, warmup: int, configs: tuple[str, ...] = CONFIGS) -> dict[str, float]:
     """Median over rounds of each configuration's step-time ratio to the no-tool process."""
-    ratios: dict[str, list[float]] = {c: [] for c in CONFIGS[1:]}
+    ratios: dict[str, list[float]] = {c: [] for c in configs[1:]}
     for r in range(rounds):
-        order = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]
+        order = configs[r % len(configs):] + configs[:r % len(configs)]
         medians = {c: run_group("small_lm", [c], steps, warmup)[c] for c in order}
-        for c in CONFIGS[1:]:
+        for c in configs[1:]:
             ratios[c].append(medians[c] / medians["none"])
         print(f"round {r}: no tool {medians['none'] * 1e3:.1f} ms/step; "
-              + ", ".join(f"{c} {ratios[c][-1]:.2f}" for c in CONFIGS[1:]), flush=True)
+              + ", ".join(f"{c} {ratios[c][-1]:.2f}" for c in configs[1:]), flush=True)
     result = {c: statistics.median(v) for c, v in ratios.items()}
+    if "pred_dump_L0" not in result:
+        return result
     for lv in LEVELS:
         ours, pred = result[f"ours_dump_{lv}"], result[f"pred_dump_{lv}"]
         result[f"share_of_predecessor_{lv}"] = (ours - 1) / (pred - 1) if pred > 1 else float("nan")
@@ -121,11 +124,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--tensor-steps", type=int, default=8)
+    parser.add_argument("--no-predecessor", action="store_true",
+                        help="ours only (no predecessor processes, no share_of_predecessor): quicker A/B runs")
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(tempfile.mkdtemp(prefix="msprobe-dump-bench-"))
     try:
-        ratios = step_times(args.rounds, args.steps, args.warmup)
+        configs = tuple(c for c in CONFIGS if not (args.no_predecessor and c.startswith("pred_")))
+        ratios = step_times(args.rounds, args.steps, args.warmup, configs)
         ratios["tensor_throughput_vs_torch_save"] = tensor_throughput(args.tensor_steps, out)
     finally:
         shutil.rmtree(out, ignore_errors=True)

@@ -105,3 +105,22 @@ def test_wait_policy_keeps_every_step_and_a_rerun_replaces_it(tmp_path):
         debugger.close()
         assert (debugger.steps_written, debugger.dropped_steps, debugger.writer.dropped) == (3, 0, 0)
     assert sorted(load_dump(tmp_path)) == [(0, None), (1, None), (2, None)]
+
+
+def test_non_finite_values_are_written_as_the_reference_writes_them():
+    import json
+
+    import numpy as np
+
+    from msprobe_engine.dump.entry import TensorSlot, render_entries
+    from msprobe_engine.dump.writer import dump_json_text, json_special
+    from msprobe_engine.stats import empty_rows
+
+    entries = {"Functional.clip.0.forward": {"input_args": [{"type": "float", "value": float("-inf")},
+                                                            {"type": "float", "value": float("nan")}],
+                                             "input_kwargs": {"max": {"type": "float", "value": 0.5}},
+                                             "output": [TensorSlot("torch.float32", [2], False, "none", -1)]}}
+    text = dump_json_text({"task": "statistics"}, render_entries(entries, empty_rows(), special=json_special))
+    assert b"-Infinity" in text and b"NaN" in text
+    args = json.loads(text)["data"]["Functional.clip.0.forward"]["input_args"]
+    assert args[0]["value"] == float("-inf") and np.isnan(args[1]["value"])

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -48,10 +48,11 @@ FORMATS: dict[str, DumpFormat] = {
 
 
 class TensorSlot:
-    """One tensor of an entry. ``kind``: float, int, bool or none (no statistics: empty, meta...)."""
+    """One tensor of an entry. ``kind``: float, int, bool or none (no statistics: empty, meta...);
+    ``shape``: any sequence of ints (a torch.Size as the training thread found it), listed when rendered."""
     __slots__ = ("dtype", "shape", "requires_grad", "kind", "row", "data_name", "md5")
 
-    def __init__(self, dtype: str, shape: list[int], requires_grad: bool, kind: str, row: int,
+    def __init__(self, dtype: str, shape: Sequence[int], requires_grad: bool, kind: str, row: int,
                  data_name: str | None = None) -> None:
         self.dtype, self.shape, self.requires_grad = dtype, shape, requires_grad
         self.kind, self.row, self.data_name = kind, row, data_name
@@ -66,6 +67,10 @@ def describe(value: Any, name: str, leaf: Leaf, depth: int = 0) -> Any:
         return {"type": kind.__name__, "value": value}
     if value is None:
         return None
+    if kind is list or kind is tuple:  # plain sequences first (a torch.Size is the leaf's)
+        if depth >= MAX_DEPTH:
+            return {}
+        return [describe(v, f"{name}.{i}", leaf, depth + 1) for i, v in enumerate(value)]
     found = leaf(value, name)
     if found is not UNHANDLED:
         return found
@@ -96,20 +101,28 @@ def plain_value(value: Any) -> dict[str, Any] | None:
     return {}
 
 
+#: what a non-finite float becomes in rendered records (`StatColumns`'s `special`): float -> value
+Special = Callable[[float], Any]
+_NONE4 = {"Max": None, "Min": None, "Mean": None, "Norm": None}
+
+
 class StatColumns:
     """Max/Min/Mean/Norm per packed row, from the step's host rows (one finalize for all),
-    rendered as records of the dump format `fmt` (PyTorch's by default)."""
+    rendered as records of the dump format `fmt` (PyTorch's by default). With `special`, every
+    non-finite float rendered (statistics and plain arguments) is `special(value)` (the writer's
+    JSON encoder writes NaN/Infinity through it)."""
 
-    def __init__(self, host_rows: np.ndarray, fmt: DumpFormat = FORMATS["pytorch"]) -> None:
-        self.fmt = fmt
+    def __init__(self, host_rows: np.ndarray, fmt: DumpFormat = FORMATS["pytorch"],
+                 special: Special | None = None) -> None:
+        self.fmt, self.special = fmt, special
         stats = finalize(host_rows) if len(host_rows) else {k: np.empty(0) for k in ("max", "min", "mean", "norm")}
-        self.max, self.min = stats["max"].tolist(), stats["min"].tolist()
-        self.mean, self.norm = stats["mean"].tolist(), stats["norm"].tolist()
+        self.max, self.min, self.mean, self.norm = (_column(stats[k], special) for k in ("max", "min", "mean", "norm"))
 
     def record(self, slot: TensorSlot) -> dict[str, Any]:
-        rec: dict[str, Any] = {"type": self.fmt.tensor_type, "dtype": slot.dtype, "shape": slot.shape}
-        rec.update(self._values(slot))
-        if self.fmt.requires_grad:
+        fmt = self.fmt
+        rec: dict[str, Any] = {"type": fmt.tensor_type, "dtype": slot.dtype, "shape": list(slot.shape),
+                               **self._values(slot)}
+        if fmt.requires_grad:
             rec["requires_grad"] = slot.requires_grad
         if slot.md5 is not None:
             rec["md5"] = slot.md5
@@ -118,17 +131,28 @@ class StatColumns:
         return rec
 
     def _values(self, slot: TensorSlot) -> dict[str, Any]:
-        row = slot.row
-        if row < 0 or slot.kind == "none":
-            return {"Max": None, "Min": None, "Mean": None, "Norm": None}
+        row, kind = slot.row, slot.kind
+        if row < 0 or kind == "none":
+            return _NONE4
         high, low = self.max[row], self.min[row]
-        if slot.kind == "bool":  # the predecessor: Max = any, Min = all, no Mean/Norm
+        if kind == "float":
+            return {"Max": high, "Min": low, "Mean": self.mean[row], "Norm": self.norm[row]}
+        if kind == "bool":  # the predecessor: Max = any, Min = all, no Mean/Norm
             return {"Max": high > 0, "Min": low > 0, "Mean": None, "Norm": None}
-        if slot.kind == "int" and math.isfinite(high) and math.isfinite(low):
+        if type(high) is float and type(low) is float and math.isfinite(high) and math.isfinite(low):
             high, low = int(high), int(low)
-        if slot.kind == "int" and not self.fmt.int_mean_norm:
+        if not self.fmt.int_mean_norm:
             return {"Max": high, "Min": low, "Mean": None, "Norm": None}
         return {"Max": high, "Min": low, "Mean": self.mean[row], "Norm": self.norm[row]}
+
+
+def _column(values: np.ndarray, special: Special | None) -> list[Any]:
+    """`values` as a list; with `special`, its non-finite values mapped through it."""
+    listed = values.tolist()
+    if special is not None:
+        for i in np.flatnonzero(~np.isfinite(values)).tolist():
+            listed[i] = special(listed[i])
+    return listed
 
 
 def render(skeleton: Any, columns: StatColumns) -> Any:
@@ -139,11 +163,14 @@ def render(skeleton: Any, columns: StatColumns) -> Any:
         return [render(item, columns) for item in skeleton]
     if isinstance(skeleton, dict):
         return {k: render(v, columns) for k, v in skeleton.items()}
+    if type(skeleton) is float and columns.special is not None and not math.isfinite(skeleton):
+        return columns.special(skeleton)
     return skeleton
 
 
-def render_entries(entries: dict[str, Any], host_rows: np.ndarray, framework: str = "pytorch") -> dict[str, Any]:
-    """Render every entry of a step (``data`` of dump.json) in `framework`'s format, keeping their order."""
-    columns = StatColumns(host_rows, FORMATS[framework])
+def render_entries(entries: dict[str, Any], host_rows: np.ndarray, framework: str = "pytorch",
+                   special: Special | None = None) -> dict[str, Any]:
+    """Render every entry of a step (``data`` of dump.json) in `framework`'s format, keeping their
+    order; `special`: see `StatColumns`."""
+    columns = StatColumns(host_rows, FORMATS[framework], special)
     return {name: render(skeleton, columns) for name, skeleton in entries.items()}
-

@@ -6,7 +6,10 @@ place: a crash at any moment leaves either a complete rank directory or none (th
 ignores ``.partial`` directories). The rename happens only when every file the step's
 dump.json lists was written whole (its size on disk is what was written); a write that failed
 (full disk, file-size limit) makes `commit` raise `StepIncomplete`, and the session drops the
-step and removes its ``.partial`` directory. A single-process run writes ``proc<pid>/`` as the predecessor
+step and removes its ``.partial`` directory. Files are not synced (no ``fsync``): a process that
+dies leaves what it wrote in the page cache, which the kernel writes back; syncing would make
+the writer wait for the disk on every step (the tensor files' data included, on ext4) and
+protects only against a power loss. A single-process run writes ``proc<pid>/`` as the predecessor
 (mindstudio-probe 26.2) does, or ``rank/`` with its 1.x spelling (``predecessor_format: "1.x"``).
 """
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
+import orjson
 
 from msprobe_engine.dump.entry import TensorSlot, render_entries
 from msprobe_engine.dump.reader import CONSTRUCT_JSON, DUMP_JSON, STACK_JSON, TENSOR_DIR
@@ -76,17 +80,48 @@ def rank_dir_name(rank: int | None, legacy: bool = False) -> str:
     return "rank" if legacy else f"proc{os.getpid()}"
 
 
-def dump_json_text(meta: dict[str, Any], data: dict[str, Any]) -> str:
-    """dump.json text: the top-level keys, then one line per entry (NaN/Infinity as in the reference)."""
-    head = "".join(f" {json.dumps(key)}: {json.dumps(value)},\n" for key, value in meta.items())
-    body = ",\n".join(f"  {json.dumps(name)}: {json.dumps(entry)}" for name, entry in data.items())
-    return "{\n" + head + ' "data": {\n' + body + ("\n" if body else "") + " }\n}\n"
+def json_special(value: float) -> orjson.Fragment:
+    """A non-finite float as the reference writes it (``NaN``, ``Infinity``, ``-Infinity``): orjson
+    would write null."""
+    return _SPECIAL["NaN" if value != value else "Infinity" if value > 0 else "-Infinity"]
+
+
+_SPECIAL = {text: orjson.Fragment(text.encode()) for text in ("NaN", "Infinity", "-Infinity")}
+
+
+def dump_json_text(meta: dict[str, Any], data: dict[str, Any]) -> bytes:
+    """dump.json (UTF-8): the top-level keys, then one line per entry (C-encoded by orjson; NaN and
+    Infinity as in the reference where `data` holds them as `json_special` fragments)."""
+    dumps = orjson.dumps
+    head = b"".join(b" %s: %s,\n" % (dumps(key), dumps(value)) for key, value in meta.items())
+    body = b",\n".join(b"  %s: %s" % (dumps(name), dumps(entry)) for name, entry in data.items())
+    return b"{\n" + head + b' "data": {\n' + body + (b"\n" if body else b"") + b" }\n}\n"
+
+
+def json_document(value: Any) -> bytes:
+    """A JSON file of plain values (stack.json, construct.json), indented, C-encoded."""
+    return orjson.dumps(value, option=orjson.OPT_INDENT_2) + b"\n"
 
 
 def format_stack(frames: Frames) -> list[str]:
-    """Frames as the predecessor writes them: ``File <path>, line <n>, in <func>, \\n <code>``."""
-    return [f"File {file}, line {line}, in {func}, \n {linecache.getline(file, line).strip()}"
-            for file, line, func in frames]
+    """Frames as the predecessor writes them: ``File <path>, line <n>, in <func>, \\n <code>``
+    (each frame's text made once per process, `MAX_FRAME_TEXTS` at most kept)."""
+    texts = _frame_texts
+    listed = []
+    for frame in frames:
+        text = texts.get(frame)
+        if text is None:
+            if len(texts) >= MAX_FRAME_TEXTS:
+                texts.clear()
+            file, line, func = frame
+            text = texts[frame] = f"File {file}, line {line}, in {func}, \n {linecache.getline(file, line).strip()}"
+        listed.append(text)
+    return listed
+
+
+#: most frame texts `format_stack` keeps
+MAX_FRAME_TEXTS = 1 << 16
+_frame_texts: dict[tuple[str, int, str], str] = {}
 
 
 def stack_document(stacks: dict[str, Frames | StackNode], legacy: bool = False) -> dict[str, Any]:
@@ -114,23 +149,21 @@ class StepIncomplete(Exception):
     """A file of the step could not be written whole; the message says which and why."""
 
 
-def write_file(path: Path, text: str) -> None:
-    """Write `text` and sync it; raise `StepIncomplete` when the file on disk is shorter."""
-    data = text.encode("utf-8")
+def write_file(path: Path, text: str | bytes) -> None:
+    """Write `text` (bytes: as they are); raise `StepIncomplete` when the file on disk is shorter.
+    Not synced (see the module docstring)."""
+    data = text.encode("utf-8") if isinstance(text, str) else text
     with open(path, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
     _check_size(path, len(data))
 
 
-def save_whole(save: Callable[[Any, Any], None], value: Any, path: Path) -> int:
-    """`save(value, file)` into a new file at `path`; its size, checked on disk."""
-    with open(path, "wb") as f:
-        save(value, f)
-        size = f.tell()
-    _check_size(path, size)
-    return size
+def save_whole(save: Callable[[Any, str], None], value: Any, path: Path) -> int:
+    """`save(value, path)` into a new file; its size on disk. The saver opens the file itself
+    (torch.save's C++ writer: no Python file object copying every record) and raises when a
+    write falls short (full disk, file-size limit)."""
+    save(value, str(path))
+    return os.stat(path).st_size
 
 
 def _check_size(path: Path, size: int) -> None:
@@ -209,7 +242,7 @@ class StepFiles:
 
     def write_tensors(self, items: Sequence[tuple[TensorSlot, Any]], save: Callable[[Any, Any], None] | None,
                       checksum: Callable[[Any], str] | None) -> None:
-        """Save tensor copies under their data_name (`save(tensor, file)`) and/or set their slots'
+        """Save tensor copies under their data_name (`save(tensor, path)`) and/or set their slots'
         CRC-32. After a failed write the step's other tensors are not saved (it is dropped)."""
         if self.failure is not None:
             return
@@ -234,15 +267,15 @@ class StepFiles:
         if self.failure is not None:
             raise StepIncomplete(self.failure)
         self._prepare()
-        data = render_entries(entries, host_rows, meta.get("framework", "pytorch"))
+        data = render_entries(entries, host_rows, meta.get("framework", "pytorch"), json_special)
         if _saves_tensors(meta.get("task")):
             meta = {**meta, "dump_data_dir": str((self.final / TENSOR_DIR).resolve())}
             self._check_listed(data)
         write_file(self.partial / DUMP_JSON, dump_json_text(meta, data))
         if stacks is not None:
-            write_file(self.partial / STACK_JSON, json.dumps(stack_document(stacks, self.legacy), indent=1))
+            write_file(self.partial / STACK_JSON, json_document(stack_document(stacks, self.legacy)))
         if construct is not None:
-            write_file(self.partial / CONSTRUCT_JSON, json.dumps(construct, indent=1))
+            write_file(self.partial / CONSTRUCT_JSON, json_document(construct))
         for name, content in (extra or {}).items():
             write_file(self.partial / name, json.dumps(content, indent=1))
         if self.final.exists():

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from msprobe_engine.dump.entry import FORMATS, TensorSlot, render_entries
+from msprobe_engine.dump.writer import json_special
 from msprobe_engine.incident.graph import INPUT_GRAD_KIND, INPUT_KIND, CallGraph, call_index, module_path
 from msprobe_engine.stats import P_NUMEL
 from msprobe_engine.stats.table import MetricKey, StatTable
@@ -44,9 +45,11 @@ def call_entry_name(prefix: str, call: str, cls: str | None, phase: str) -> str:
 def stats_dump(table: StatTable, graph: CallGraph | None, meta: dict[MetricKey, TensorMeta],
                framework: str = "pytorch") -> dict[str, Any]:
     """The rendered ``data`` of dump.json for one step's statistics (`graph`: see `CallGraph`),
-    in the format of `framework` (``pytorch`` or ``mindspore``)."""
+    in the format of `framework` (``pytorch`` or ``mindspore``), non-finite values as `json_special`
+    (for `dump_json_text`)."""
     prefix = FORMATS[framework].module_prefix
-    return render_entries(_Builder(table, graph or CallGraph(), meta, prefix).entries(), table.partials, framework)
+    entries = _Builder(table, graph or CallGraph(), meta, prefix).entries()
+    return render_entries(entries, table.partials, framework, json_special)
 
 
 class _Builder:

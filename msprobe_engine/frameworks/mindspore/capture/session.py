@@ -236,8 +236,9 @@ def _graph_mode() -> bool:
     return ms.get_context("mode") == ms.GRAPH_MODE
 
 
-def _save_npy(array: np.ndarray, file: Any) -> None:
-    np.save(file, array, allow_pickle=False)
+def _save_npy(array: np.ndarray, path: str) -> None:
+    with open(path, "wb") as file:  # a path would get ".npy" appended when it lacks it
+        np.save(file, array, allow_pickle=False)
 
 
 def _rank_and_world() -> tuple[int | None, int]:

@@ -11,6 +11,8 @@ a scan of the function's line table, tens of microseconds in a long function suc
 optimizers' loops, so lines are looked up only for the frames a stack lists, once per (code,
 offset), from a cache kept across steps.
 
+This package's own frames (the hooks and the API mode between the caller and `stack`) are
+skipped as the walk meets them: they are never listed, so they are neither held nor looked up.
 The frames of the last walk are held (strong references, to recognise them) until the next
 walk or `clear`; every other frame is released as usual.
 """
@@ -54,20 +56,22 @@ class CallStacks:
         node, depth = None, 0
         frame = sys._getframe(1)
         while frame is not None:
+            code = frame.f_code
+            if code.co_filename.startswith(PACKAGE_DIR):  # never listed, never a known frame
+                frame = frame.f_back
+                continue
             offset = frame.f_lasti
             seen = known.get(id(frame))
-            if seen is not None and seen[0] is frame and seen[1] == offset and not frame.f_code.co_flags & _RESUMABLE:
+            if seen is not None and seen[0] is frame and seen[1] == offset and not code.co_flags & _RESUMABLE:
                 node, depth = seen[2], seen[3] + 1
                 break
-            walked.append((frame, offset))
+            walked.append((frame, code, offset))
             frame = frame.f_back
         for stale in chain[depth:]:
             del known[stale]
         del chain[depth:]
-        for frame, offset in reversed(walked):
-            code = frame.f_code
-            if not code.co_filename.startswith(PACKAGE_DIR):
-                node = StackNode((code.co_filename, self._line(frame, code, offset), code.co_name), node)
+        for frame, code, offset in reversed(walked):
+            node = StackNode((code.co_filename, self._line(frame, code, offset), code.co_name), node)
             known[id(frame)] = (frame, offset, node, len(chain))
             chain.append(id(frame))
         return node

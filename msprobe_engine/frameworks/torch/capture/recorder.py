@@ -252,11 +252,12 @@ class Recorder(DumpRecorder):
         if isinstance(tensor, DTensor):  # FSDP2/TP: each rank's dump holds its own piece (no collective)
             tensor = tensor.to_local()
         kind = tensor_kind(tensor)
+        dtype = tensor.dtype
         row = -1
         if kind != "none":
-            row = self.stats.row(tensor.abs() if tensor.dtype.is_complex else tensor)
+            row = self.stats.row(tensor.abs() if dtype.is_complex else tensor)
         copied = self.copies and not tensor.is_meta
-        slot = TensorSlot(dtype_name(tensor.dtype), list(tensor.shape), tensor.requires_grad, kind, row,
+        slot = TensorSlot(dtype_name(dtype), tensor.shape, tensor.requires_grad, kind, row,
                           f"{name}.pt" if copied and self.save_tensors else None)
         if self.xor and kind != "none" and not tensor.is_meta:
             self._checksums.append((slot, xor_words(tensor)))

@@ -110,8 +110,8 @@ class PrecisionDebugger(DumpSession):
                 tensor_crc32 if self.config.summary_mode == "md5" else None)
 
 
-def _torch_save(tensor: Any, file: Any) -> None:
-    torch.save(tensor, file)
+def _torch_save(tensor: Any, path: str) -> None:
+    torch.save(tensor, path)
 
 
 def _rank_and_world() -> tuple[int | None, int]:

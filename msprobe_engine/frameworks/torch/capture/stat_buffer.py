@@ -4,7 +4,8 @@
 are reduced together by the backend's ``partial_stats`` (one call costs about as much as a
 few tensors, so batching is most of the speed) when the batch is large, at the end of a
 backward pass and at step end. Before a call writes into a tensor, `protect` replaces the
-waiting tensors that share its storage by copies, so their statistics are those of the
+waiting tensors that share its storage by copies (the waiting tensors' storages are looked up
+there, only while something waits and a call writes), so their statistics are those of the
 values they had when recorded. A tensor seen again unchanged (same object, same version)
 keeps its row. `to_host()` packs the rows and makes the step's single device-to-host copy.
 """
@@ -48,7 +49,9 @@ class StatBuffer:
         self._rows = 0
         self._batch: list[torch.Tensor] = []
         self._versions: list[int] = []
+        #: storage -> positions in the batch, for `protect`; built there, up to `_indexed`
         self._owners: dict[int, list[int]] = {}
+        self._indexed = 0
         self._bytes = 0
         self._seen = KnownTensors()
         self._copies = KnownTensors()
@@ -65,12 +68,9 @@ class StatBuffer:
             return index
         index = self._rows + len(self._batch)
         self._seen.put(tensor, now, index)
-        storage = _storage(tensor)
-        if storage is not None:
-            self._owners.setdefault(storage, []).append(len(self._batch))
         self._batch.append(tensor)
         self._versions.append(now)
-        self._bytes += tensor.numel() * tensor.element_size()
+        self._bytes += tensor.nbytes
         if self._bytes >= BATCH_BYTES or len(self._batch) >= BATCH_TENSORS:
             self.flush()
         return index
@@ -78,12 +78,22 @@ class StatBuffer:
     def protect(self, written: Iterable[torch.Tensor]) -> None:
         """A call is about to write into `written`: keep copies of waiting tensors sharing their
         storage, and measure `written` anew when seen again (collectives leave the version as it was)."""
+        self._index()
         for tensor in written:
             self._seen.forget(tensor)
             self._copies.forget(tensor)
             for pos in self._owners.pop(_storage(tensor), ()):
                 copy = self._batch[pos].detach().clone()
                 self._batch[pos], self._versions[pos] = copy, version(copy)
+
+    def _index(self) -> None:
+        """Add the batch's tensors recorded since the last call to the storage index."""
+        batch, owners = self._batch, self._owners
+        for pos in range(self._indexed, len(batch)):
+            storage = _storage(batch[pos])
+            if storage is not None:
+                owners.setdefault(storage, []).append(pos)
+        self._indexed = len(batch)
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host copy of `tensor` as it is now (shared while the same version is still alive)."""
@@ -100,7 +110,7 @@ class StatBuffer:
         if not self._batch:
             return
         batch, versions = self._batch, self._versions
-        self._batch, self._versions, self._owners, self._bytes = [], [], {}, 0
+        self._batch, self._versions, self._owners, self._indexed, self._bytes = [], [], {}, 0, 0
         changed = sum(version(t) != v for t, v in zip(batch, versions))
         if changed:
             log.warning("msprobe dump: %d tensor(s) changed in place (outside the calls the dump sees) before "
