@@ -50,7 +50,12 @@ TRAINERS = ("plain", "hf", "lightning")
 CONFIGS = ("none", "grads_optimizer", "full")
 GAS, ROWS, LR = 2, 4, 1e-3
 #: the GPT-2 sizes (`tiny_gpt2`'s arguments) of `--model`
-MODELS = {"gpt2-3m": {"n_layer": 4, "n_embd": 256, "n_head": 4}, "tiny": {}}
+MODELS = {"gpt2-3m": {"n_layer": 4, "n_embd": 256, "n_head": 4}, "gpt2-10m": {"n_layer": 6, "n_embd": 384, "n_head": 6},
+          "tiny": {}}
+#: `--clock`: wall time, or the CPU time of the training thread (the monitor's writer thread and
+#: other processes left out: a figure that survives a loaded machine)
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+CLOCK = [time.perf_counter]  # the clock this process times its steps with
 
 
 def monitor_config(name: str, out: Path, interval: int = 1) -> dict:
@@ -75,7 +80,7 @@ def plain(config: dict | None, steps: int, sizes: dict) -> list[tuple[float, boo
     times = []
     for step in range(steps):
         monitored = monitor is not None and monitor.active
-        start = time.perf_counter()
+        start = CLOCK[0]()
         total = 0.0
         for batch in batches[step * GAS:(step + 1) * GAS]:
             loss = model(**batch).loss / GAS
@@ -86,7 +91,7 @@ def plain(config: dict | None, steps: int, sizes: dict) -> list[tuple[float, boo
         optimizer.zero_grad()
         if monitor is not None:
             monitor.step_end(total)
-        times.append((time.perf_counter() - start, monitored))
+        times.append((CLOCK[0]() - start, monitored))
     if monitor is not None:
         monitor.close()
     return times
@@ -105,10 +110,10 @@ def hf(config: dict | None, steps: int, sizes: dict, out: Path) -> list[tuple[fl
 
         def on_step_begin(self, args, state, control, **kwargs):
             self.monitored = self.callback is not None and self.callback.monitor.active
-            self.start = time.perf_counter()
+            self.start = CLOCK[0]()
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.times.append((time.perf_counter() - self.start, self.monitored))
+            self.times.append((CLOCK[0]() - self.start, self.monitored))
 
     callback = MonitorCallback(config=config) if config is not None else None
     timer = StepTimer(callback)
@@ -137,11 +142,11 @@ def lightning(config: dict | None, steps: int, sizes: dict, out: Path) -> list[t
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if batch_idx % GAS == 0:
                 self.monitored = self.callback is not None and self.callback.monitor.active
-                self.start = time.perf_counter()
+                self.start = CLOCK[0]()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if batch_idx % GAS == GAS - 1:
-                self.times.append((time.perf_counter() - self.start, self.monitored))
+                self.times.append((CLOCK[0]() - self.start, self.monitored))
 
     callback = MonitorCallback(config=config) if config is not None else None
     timer = StepTimer(callback)
@@ -205,9 +210,12 @@ def main() -> None:
                         help="the trainers to compare (the plain loop is always one)")
     parser.add_argument("--alternate", action="store_true",
                         help="monitor every other step, each step's baseline the unmonitored steps of its process")
+    parser.add_argument("--clock", choices=CLOCKS, default="wall",
+                        help="time steps by the wall clock or by the training thread's CPU time")
     parser.add_argument("--one", nargs=2, metavar=("TRAINER", "CONFIG"), help="run one configuration here")
     parser.add_argument("--interval", type=int, default=1, help=argparse.SUPPRESS)  # (--one's schedule)
     args = parser.parse_args()
+    CLOCK[0] = CLOCKS[args.clock]
     if args.one:
         print(json.dumps(one(*args.one, args.steps, args.model, args.interval)))
         return
@@ -223,7 +231,7 @@ def main() -> None:
         for trainer, config in runs[shift:] + runs[:shift]:
             loads.append(os.getloadavg()[0])
             done = subprocess.run([sys.executable, __file__, "--one", trainer, config, "--steps", str(args.steps),
-                                   "--model", args.model, "--interval", "2" if args.alternate else "1"],
+                                   "--model", args.model, "--clock", args.clock, "--interval", "2" if args.alternate else "1"],
                                   env=env, capture_output=True, text=True, check=True)
             steps = json.loads(done.stdout.strip().splitlines()[-1])[args.warmup:]
             medians[trainer, config].append(statistics.median(t for t, monitored in steps if monitored
@@ -234,7 +242,7 @@ def main() -> None:
               flush=True)
     bases = unmonitored if args.alternate else {(t, c): medians[t, "none"] for t, c in runs}
     result = {"load": [round(min(loads), 1), round(max(loads), 1)], "model": args.model, "steps": args.steps,
-              "warmup": args.warmup, "rounds": args.rounds, "alternate": args.alternate,
+              "warmup": args.warmup, "rounds": args.rounds, "alternate": args.alternate, "clock": args.clock,
               **summary({run: medians[run] for run in runs if run[1] != "none"}, bases, trainers, configs)}
     print(json.dumps(result))
 

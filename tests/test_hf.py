@@ -21,12 +21,18 @@ def test_gradients_are_read_before_clipping_and_equal_a_plain_torch_replay(tmp_p
     """max_grad_norm far below the gradient norm: the Trainer clips, we report the unclipped."""
     model = gpt2()
     reference_model = copy.deepcopy(model)
-    calls = []
-    capture = model.register_forward_pre_hook(lambda m, a, kw: calls.append(copy.deepcopy(kw)) if m.training else None,
-                                              with_kwargs=True)
+    calls, param_hooks = [], []
+
+    def capture_call(module, args, kwargs):
+        if module.training:
+            calls.append(copy.deepcopy(kwargs))
+            param_hooks.append(sum(len(p._post_accumulate_grad_hooks or {}) for p in module.parameters()))
+
+    capture = model.register_forward_pre_hook(capture_call, with_kwargs=True)
     callback, _ = hf_run(tmp_path, action_config(tmp_path), model=model, max_steps=1, max_grad_norm=0.05)
     capture.remove()
     assert len(calls) == GAS
+    assert param_hooks == [0] * GAS  # read in one batch at the backward's end, no hook per parameter
     for kwargs in calls:  # the same micro-batches through the model's own forward, plain torch
         loss = reference_model(**kwargs).loss
         (loss if kwargs.get("num_items_in_batch") is not None else loss / GAS).backward()
