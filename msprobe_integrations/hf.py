@@ -22,9 +22,10 @@ What is read, and where (plain PyTorch; see below for `--deepspeed`):
   `on_pre_optimizer_step` instead, averaged and clipped, and the skip/stop decision is made
   to agree over the ranks (one all-reduce of two flags per monitored step);
 - parameters and optimizer state: after the optimizer step (`on_optimizer_step`);
-- fp16 AMP (accelerate's GradScaler): the step's loss scale as `train/loss_scale`, the
-  gradients of the one-process path divided by it (its device tensor, no host sync), and a
-  step the scaler skipped (an overflow: its scale went down) as `train/skipped` = 1. That
+- fp16 AMP (accelerate's GradScaler): the step's loss scale as `train/loss_scale`; the
+  gradients divided by it (its device tensor, no host sync) where they still hold it (one
+  process; DDP without clipping, `max_grad_norm=0`); the activation gradients, measured in
+  the scaled backward, divided by it before the rules see them; and a step the scaler skipped (an overflow: its scale went down) as `train/skipped` = 1. That
   step's gradients hold an inf or nan, routinely: its loss-scaled rows (gradients, activation
   gradients) are dropped before the rules see them (`steps/overflow.py`), so no `non_finite`
   alert and no skip/stop fires on it.
@@ -276,8 +277,21 @@ class TrainerHooks(TrainerAdapter):
             return False
         # the step's loss: the sum of shares, else the mean
         self.report_losses(lambda losses: losses.sum() * self.share_scale if self._loss_is_share else losses)
-        self.reads.before_step()  # with DDP: the gradients too (averaged now, and clipped)
+        # with DDP: the gradients too (averaged now; clipped, and so unscaled, when the Trainer clips)
+        self.reads.before_step(self._scale_in_grads())
         return self.decide_step(self.optimizer)
+
+    def _scale_in_grads(self) -> float | torch.Tensor:
+        """What the gradients are still multiplied by at `on_pre_optimizer_step`: accelerate
+        unscales them there only to clip (`max_grad_norm` > 0); with no clipping they still hold
+        the GradScaler's loss scale (its device tensor). 1 without a scaler."""
+        scale = self.loss_scale()
+        if scale is None or self.optimizer is None:
+            return 1.0
+        from torch.amp.grad_scaler import OptState
+
+        state = self.scaler._per_optimizer_states.get(id(self.optimizer), {})  # `get`: its defaultdict untouched
+        return 1.0 if state.get("stage") is OptState.UNSCALED else scale
 
     def after_optimizer_step(self) -> None:
         """After the Trainer's optimizer step: the gradients back, what the step changed
