@@ -25,7 +25,8 @@ What is read, and where (plain PyTorch; see below for `--deepspeed`):
 - fp16 AMP (accelerate's GradScaler): the step's loss scale as `train/loss_scale`; the
   gradients divided by it (its device tensor, no host sync) where they still hold it (one
   process; DDP without clipping, `max_grad_norm=0`); the activation gradients, measured in
-  the scaled backward, divided by it before the rules see them; and a step the scaler skipped (an overflow: its scale went down) as `train/skipped` = 1. That
+  the scaled backward, divided by it before the rules see them; and a step the scaler
+  skipped (an overflow: its scale went down) as `train/skipped` = 1. That
   step's gradients hold an inf or nan, routinely: its loss-scaled rows (gradients, activation
   gradients) are dropped before the rules see them (`steps/overflow.py`), so no `non_finite`
   alert and no skip/stop fires on it.
@@ -273,6 +274,7 @@ class TrainerHooks(TrainerAdapter):
     def before_optimizer_step(self) -> bool:
         """At `on_pre_optimizer_step`: the loss, DDP's gradients, then the decision. Returns
         True when a `stop` rule fired (the step is then skipped too)."""
+        self._queued = False  # (a backward that raised ran no callback)
         if self.reads is None:
             return False
         # the step's loss: the sum of shares, else the mean
