@@ -25,8 +25,14 @@ machine's load and the process's own speed (memory layout, allocator) hit both a
 process per configuration cannot cancel on a shared machine. The unmonitored steps keep the
 hooks installed (they return at once), so this measures what a monitored step adds.
 
+`--clock thread` times each step by the training thread's CPU time (`time.thread_time`) instead
+of the wall clock: other processes' load and the monitor's writer thread are left out, so the
+figure survives a shared machine (what a step costs the training thread). `--model gpt2-10m`
+(6 layers of width 384, 10.8M parameters) makes the step ~3x longer still.
+
     OMP_NUM_THREADS=1 python bench/trainer_callbacks.py [--steps 10] [--rounds 3] [--trainers hf lightning]
     OMP_NUM_THREADS=1 python bench/trainer_callbacks.py --alternate --steps 16
+    OMP_NUM_THREADS=1 python bench/trainer_callbacks.py --alternate --clock thread --steps 24 --rounds 6
     python bench/trainer_callbacks.py --one hf full    # one process: its step times and whether monitored, as JSON
 """
 from __future__ import annotations
