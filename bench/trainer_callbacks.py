@@ -32,7 +32,7 @@ figure survives a shared machine (what a step costs the training thread). `--mod
 
     OMP_NUM_THREADS=1 python bench/trainer_callbacks.py [--steps 10] [--rounds 3] [--trainers hf lightning]
     OMP_NUM_THREADS=1 python bench/trainer_callbacks.py --alternate --steps 16
-    OMP_NUM_THREADS=1 python bench/trainer_callbacks.py --alternate --clock thread --steps 24 --rounds 6
+    OMP_NUM_THREADS=1 python bench/trainer_callbacks.py --alternate --clock thread --steps 24 --rounds 6 --budget 540
     python bench/trainer_callbacks.py --one hf full    # one process: its step times and whether monitored, as JSON
 """
 from __future__ import annotations
@@ -216,6 +216,8 @@ def main() -> None:
                         help="the trainers to compare (the plain loop is always one)")
     parser.add_argument("--alternate", action="store_true",
                         help="monitor every other step, each step's baseline the unmonitored steps of its process")
+    parser.add_argument("--budget", type=float, default=0,
+                        help="seconds: no round is started that would end past them (0: all rounds)")
     parser.add_argument("--clock", choices=CLOCKS, default="wall",
                         help="time steps by the wall clock or by the training thread's CPU time")
     parser.add_argument("--one", nargs=2, metavar=("TRAINER", "CONFIG"), help="run one configuration here")
@@ -232,23 +234,28 @@ def main() -> None:
     unmonitored: dict[tuple[str, str], list[float]] = {run: [] for run in runs}
     loads = []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    began = time.perf_counter()
+    done_rounds = 0
     for round_ in range(args.rounds):
+        if args.budget and done_rounds and (time.perf_counter() - began) * (done_rounds + 1) / done_rounds > args.budget:
+            break  # another round would pass the time budget
         shift = round_ * 4 % len(runs)  # the order rotates by a trainer and a config each round
         for trainer, config in runs[shift:] + runs[:shift]:
             loads.append(os.getloadavg()[0])
-            done = subprocess.run([sys.executable, __file__, "--one", trainer, config, "--steps", str(args.steps),
-                                   "--model", args.model, "--clock", args.clock, "--interval", "2" if args.alternate else "1"],
-                                  env=env, capture_output=True, text=True, check=True)
+            command = [sys.executable, __file__, "--one", trainer, config, "--steps", str(args.steps),
+                       "--model", args.model, "--clock", args.clock, "--interval", "2" if args.alternate else "1"]
+            done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
             steps = json.loads(done.stdout.strip().splitlines()[-1])[args.warmup:]
             medians[trainer, config].append(statistics.median(t for t, monitored in steps if monitored
                                                               or config == "none"))
             if args.alternate:
                 unmonitored[trainer, config].append(statistics.median(t for t, monitored in steps if not monitored))
+        done_rounds += 1
         print(f"round {round_ + 1}: " + ", ".join(f"{t} {c} {medians[t, c][-1] * 1e3:.1f} ms" for t, c in runs),
               flush=True)
     bases = unmonitored if args.alternate else {(t, c): medians[t, "none"] for t, c in runs}
     result = {"load": [round(min(loads), 1), round(max(loads), 1)], "model": args.model, "steps": args.steps,
-              "warmup": args.warmup, "rounds": args.rounds, "alternate": args.alternate, "clock": args.clock,
+              "warmup": args.warmup, "rounds": done_rounds, "alternate": args.alternate, "clock": args.clock,
               **summary({run: medians[run] for run in runs if run[1] != "none"}, bases, trainers, configs)}
     print(json.dumps(result))
 
