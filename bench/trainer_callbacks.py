@@ -237,7 +237,8 @@ def main() -> None:
     began = time.perf_counter()
     done_rounds = 0
     for round_ in range(args.rounds):
-        if args.budget and done_rounds and (time.perf_counter() - began) * (done_rounds + 1) / done_rounds > args.budget:
+        per_round = (time.perf_counter() - began) / max(done_rounds, 1)
+        if args.budget and done_rounds and per_round * (done_rounds + 1) > args.budget:
             break  # another round would pass the time budget
         shift = round_ * 4 % len(runs)  # the order rotates by a trainer and a config each round
         for trainer, config in runs[shift:] + runs[:shift]:
