@@ -25,8 +25,14 @@ machine's load and the process's own speed (memory layout, allocator) hit both a
 process per configuration cannot cancel on a shared machine. The unmonitored steps keep the
 hooks installed (they return at once), so this measures what a monitored step adds.
 
+`--clock thread` times each step by the training thread's CPU time (`time.thread_time`) instead
+of the wall clock: other processes' load and the monitor's writer thread are left out, so the
+figure survives a shared machine (what a step costs the training thread). `--model gpt2-10m`
+(6 layers of width 384, 10.8M parameters) makes the step ~3x longer still.
+
     OMP_NUM_THREADS=1 python bench/trainer_callbacks.py [--steps 10] [--rounds 3] [--trainers hf lightning]
     OMP_NUM_THREADS=1 python bench/trainer_callbacks.py --alternate --steps 16
+    OMP_NUM_THREADS=1 python bench/trainer_callbacks.py --alternate --clock thread --steps 24 --rounds 6 --budget 540
     python bench/trainer_callbacks.py --one hf full    # one process: its step times and whether monitored, as JSON
 """
 from __future__ import annotations
@@ -50,7 +56,12 @@ TRAINERS = ("plain", "hf", "lightning")
 CONFIGS = ("none", "grads_optimizer", "full")
 GAS, ROWS, LR = 2, 4, 1e-3
 #: the GPT-2 sizes (`tiny_gpt2`'s arguments) of `--model`
-MODELS = {"gpt2-3m": {"n_layer": 4, "n_embd": 256, "n_head": 4}, "tiny": {}}
+MODELS = {"gpt2-3m": {"n_layer": 4, "n_embd": 256, "n_head": 4}, "gpt2-10m": {"n_layer": 6, "n_embd": 384, "n_head": 6},
+          "tiny": {}}
+#: `--clock`: wall time, or the CPU time of the training thread (the monitor's writer thread and
+#: other processes left out: a figure that survives a loaded machine)
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+CLOCK = [time.perf_counter]  # the clock this process times its steps with
 
 
 def monitor_config(name: str, out: Path, interval: int = 1) -> dict:
@@ -75,7 +86,7 @@ def plain(config: dict | None, steps: int, sizes: dict) -> list[tuple[float, boo
     times = []
     for step in range(steps):
         monitored = monitor is not None and monitor.active
-        start = time.perf_counter()
+        start = CLOCK[0]()
         total = 0.0
         for batch in batches[step * GAS:(step + 1) * GAS]:
             loss = model(**batch).loss / GAS
@@ -86,7 +97,7 @@ def plain(config: dict | None, steps: int, sizes: dict) -> list[tuple[float, boo
         optimizer.zero_grad()
         if monitor is not None:
             monitor.step_end(total)
-        times.append((time.perf_counter() - start, monitored))
+        times.append((CLOCK[0]() - start, monitored))
     if monitor is not None:
         monitor.close()
     return times
@@ -105,10 +116,10 @@ def hf(config: dict | None, steps: int, sizes: dict, out: Path) -> list[tuple[fl
 
         def on_step_begin(self, args, state, control, **kwargs):
             self.monitored = self.callback is not None and self.callback.monitor.active
-            self.start = time.perf_counter()
+            self.start = CLOCK[0]()
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.times.append((time.perf_counter() - self.start, self.monitored))
+            self.times.append((CLOCK[0]() - self.start, self.monitored))
 
     callback = MonitorCallback(config=config) if config is not None else None
     timer = StepTimer(callback)
@@ -137,11 +148,11 @@ def lightning(config: dict | None, steps: int, sizes: dict, out: Path) -> list[t
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if batch_idx % GAS == 0:
                 self.monitored = self.callback is not None and self.callback.monitor.active
-                self.start = time.perf_counter()
+                self.start = CLOCK[0]()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if batch_idx % GAS == GAS - 1:
-                self.times.append((time.perf_counter() - self.start, self.monitored))
+                self.times.append((CLOCK[0]() - self.start, self.monitored))
 
     callback = MonitorCallback(config=config) if config is not None else None
     timer = StepTimer(callback)
@@ -205,9 +216,14 @@ def main() -> None:
                         help="the trainers to compare (the plain loop is always one)")
     parser.add_argument("--alternate", action="store_true",
                         help="monitor every other step, each step's baseline the unmonitored steps of its process")
+    parser.add_argument("--budget", type=float, default=0,
+                        help="seconds: no round is started that would end past them (0: all rounds)")
+    parser.add_argument("--clock", choices=CLOCKS, default="wall",
+                        help="time steps by the wall clock or by the training thread's CPU time")
     parser.add_argument("--one", nargs=2, metavar=("TRAINER", "CONFIG"), help="run one configuration here")
     parser.add_argument("--interval", type=int, default=1, help=argparse.SUPPRESS)  # (--one's schedule)
     args = parser.parse_args()
+    CLOCK[0] = CLOCKS[args.clock]
     if args.one:
         print(json.dumps(one(*args.one, args.steps, args.model, args.interval)))
         return
@@ -218,23 +234,29 @@ def main() -> None:
     unmonitored: dict[tuple[str, str], list[float]] = {run: [] for run in runs}
     loads = []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    began = time.perf_counter()
+    done_rounds = 0
     for round_ in range(args.rounds):
+        per_round = (time.perf_counter() - began) / max(done_rounds, 1)
+        if args.budget and done_rounds and per_round * (done_rounds + 1) > args.budget:
+            break  # another round would pass the time budget
         shift = round_ * 4 % len(runs)  # the order rotates by a trainer and a config each round
         for trainer, config in runs[shift:] + runs[:shift]:
             loads.append(os.getloadavg()[0])
-            done = subprocess.run([sys.executable, __file__, "--one", trainer, config, "--steps", str(args.steps),
-                                   "--model", args.model, "--interval", "2" if args.alternate else "1"],
-                                  env=env, capture_output=True, text=True, check=True)
+            command = [sys.executable, __file__, "--one", trainer, config, "--steps", str(args.steps),
+                       "--model", args.model, "--clock", args.clock, "--interval", "2" if args.alternate else "1"]
+            done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
             steps = json.loads(done.stdout.strip().splitlines()[-1])[args.warmup:]
             medians[trainer, config].append(statistics.median(t for t, monitored in steps if monitored
                                                               or config == "none"))
             if args.alternate:
                 unmonitored[trainer, config].append(statistics.median(t for t, monitored in steps if not monitored))
+        done_rounds += 1
         print(f"round {round_ + 1}: " + ", ".join(f"{t} {c} {medians[t, c][-1] * 1e3:.1f} ms" for t, c in runs),
               flush=True)
     bases = unmonitored if args.alternate else {(t, c): medians[t, "none"] for t, c in runs}
     result = {"load": [round(min(loads), 1), round(max(loads), 1)], "model": args.model, "steps": args.steps,
-              "warmup": args.warmup, "rounds": args.rounds, "alternate": args.alternate,
+              "warmup": args.warmup, "rounds": done_rounds, "alternate": args.alternate, "clock": args.clock,
               **summary({run: medians[run] for run in runs if run[1] != "none"}, bases, trainers, configs)}
     print(json.dumps(result))
 

@@ -12,16 +12,21 @@ What is read, and where (plain PyTorch; see below for `--deepspeed`):
   `num_items_in_batch` to the model, else their mean);
 - parameter gradients: BEFORE clipping. The Trainer clips (`max_grad_norm`, 1.0 by
   default) before `on_pre_optimizer_step`, which would hide a gradient explosion behind a
-  norm of at most 1, so each gradient is measured in its own post-accumulate hook during
-  the backward of the last micro-batch of the step (accelerate's `sync_gradients`), where
-  it is final and not yet clipped. Under plain DDP (several processes without DeepSpeed)
-  the hooks fire before DDP has averaged the gradients: they are read at
+  norm of at most 1, so they are read in one batch (as the plain loop reads them) at the end
+  of the backward of the last micro-batch of the step (accelerate's `sync_gradients`), where
+  they are final and not yet clipped: a tensor hook on the model's output (one Python call a
+  step) queues the read as autograd's end-of-backward callback. With `torch_compile` the
+  forward hook runs traced, so each gradient's own post-accumulate hook queues it instead.
+  Under plain DDP (several processes without DeepSpeed) such a callback runs before DDP has
+  averaged the gradients (DDP queues its own later in the backward): they are read at
   `on_pre_optimizer_step` instead, averaged and clipped, and the skip/stop decision is made
   to agree over the ranks (one all-reduce of two flags per monitored step);
 - parameters and optimizer state: after the optimizer step (`on_optimizer_step`);
-- fp16 AMP (accelerate's GradScaler): the step's loss scale as `train/loss_scale`, the
-  gradients of the one-process path divided by it (its device tensor, no host sync), and a
-  step the scaler skipped (an overflow: its scale went down) as `train/skipped` = 1. That
+- fp16 AMP (accelerate's GradScaler): the step's loss scale as `train/loss_scale`; the
+  gradients divided by it (its device tensor, no host sync) where they still hold it (one
+  process; DDP without clipping, `max_grad_norm=0`); the activation gradients, measured in
+  the scaled backward, divided by it before the rules see them; and a step the scaler
+  skipped (an overflow: its scale went down) as `train/skipped` = 1. That
   step's gradients hold an inf or nan, routinely: its loss-scaled rows (gradients, activation
   gradients) are dropped before the rules see them (`steps/overflow.py`), so no `non_finite`
   alert and no skip/stop fires on it.
@@ -120,7 +125,8 @@ class MonitorCallback(TrainerCallback, ExportableState):
             # with average_tokens_across_devices the Trainer multiplies a token share by the ranks
             self.monitor = TrainerHooks(model, optimizer, config, start_step=state.global_step + 1,
                                         ranks=args.world_size,
-                                        share_scale=args.world_size if args.average_tokens_across_devices else 1)
+                                        share_scale=args.world_size if args.average_tokens_across_devices else 1,
+                                        compiled=args.torch_compile)
         if saved is not None:
             self.monitor.load_state_dict(saved)
         model_config = getattr(model, "config", None)
@@ -167,7 +173,7 @@ class TrainerHooks(TrainerAdapter):
     The callback calls `before_optimizer_step` / `after_optimizer_step` / `step_end`."""
 
     def __init__(self, model: Any, optimizer: Any, config: ConfigSource = None, *, start_step: int = 0,
-                 ranks: int = 1, share_scale: int = 1) -> None:
+                 ranks: int = 1, share_scale: int = 1, compiled: bool = False) -> None:
         from msprobe_engine.frameworks.torch import backend
         from msprobe_engine.frameworks.torch.module_hooks import ModuleHooks
         from msprobe_engine.frameworks.torch.optimizer_hooks import OptimizerHooks
@@ -186,13 +192,25 @@ class TrainerHooks(TrainerAdapter):
         self._loss_is_share = False  # the model divides its loss by the step's token count
         self._keep = RunTimeCall(self._kept)
         self._grads: list[tuple[MetricKey, torch.Tensor]] = []  # final this backward, measured at its end
+        #: the gradients read in one batch at the end of the step's last backward (one process)
+        self._grad_params: list[tuple[MetricKey, torch.Tensor]] = []
+        self._queued = False  # this backward's batched read is queued
         handles = [ModuleHooks(monitor, model),
                    Handles([model.register_forward_hook(self._loss_hook, with_kwargs=True)])]
+        # DDP (`ranks` > 1): `reads` takes the averaged gradients at on_pre_optimizer_step; a read
+        # queued when the backward starts would run before DDP's own end-of-backward averaging
         if monitor.config.watch.param_grads and ranks == 1:
             from accelerate.state import GradientState
             self._gradient_state = GradientState()
-            handles.append(Handles([p.register_post_accumulate_grad_hook(partial(self._grad_hook, MetricKey("grad", n)))
-                                    for n, p in model.named_parameters() if p.requires_grad]))
+            params = [(MetricKey("grad", n), p) for n, p in model.named_parameters() if p.requires_grad]
+            if compiled or isinstance(model, torch._dynamo.eval_frame.OptimizedModule) \
+                    or getattr(model, "_compiled_call_impl", None) is not None:
+                # compiled (`torch_compile`): the forward hook runs traced, where a tensor hook on the
+                # output would sit on a traced copy: each gradient's own post-accumulate hook instead
+                handles.append(Handles([p.register_post_accumulate_grad_hook(partial(self._grad_hook, key))
+                                        for key, p in params]))
+            else:
+                self._grad_params = params
         monitor.add_attachment(*handles)
 
     # ---- hooks ------------------------------------------------------------------
@@ -204,6 +222,12 @@ class TrainerHooks(TrainerAdapter):
         # traced (the model inside a larger compiled module; `never_a_frame`): what it keeps, at run time
         self._keep([loss] if isinstance(loss, torch.Tensor) else [],
                    [*batch_sizes(kwargs), kwargs.get("num_items_in_batch") is not None])
+        if self._grad_params and self._gradient_state.sync_gradients and not torch.compiler.is_compiling():
+            # the step's last micro-batch: its backward starts at the output (the loss, or the logits
+            # a compute_loss of the user's uses), whose tensor hook queues the batched read
+            for tensor in _output_tensors(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(self._backward_started)
 
     def _kept(self, losses: list[torch.Tensor], values: list[int]) -> None:
         """One training forward's loss (if the output has one) and batch (`_loss_hook`)."""
@@ -216,10 +240,19 @@ class TrainerHooks(TrainerAdapter):
             self.monitor.warn("MonitorCallback: the model's output has no `loss` (a compute_loss outside the "
                               "model?): train/loss is not monitored")
 
+    def _backward_started(self, grad: torch.Tensor) -> None:
+        """The backward of the step's last micro-batch reached the model's output: every gradient
+        is read in one batch when this backward ends (autograd's end-of-backward callback), final
+        and not yet clipped (the Trainer clips after the backward), as the plain loop reads them."""
+        monitor = self.monitor
+        if monitor.active and not self._queued and "gradient hook" not in monitor.disabled:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._measure_grads)
+
     def _grad_hook(self, key: MetricKey, param: torch.Tensor) -> None:
-        """A gradient is final (the last micro-batch's backward has accumulated it, the Trainer
-        has not clipped it yet): kept, and all of them measured in one batch when this backward
-        ends (autograd's end-of-backward callback), as the plain loop reads them."""
+        """(Compiled models.) A gradient is final (the last micro-batch's backward has accumulated
+        it, the Trainer has not clipped it yet): kept, and all of them measured in one batch when
+        this backward ends."""
         monitor = self.monitor
         if monitor.active and self._gradient_state.sync_gradients and "gradient hook" not in monitor.disabled:
             if not self._grads:
@@ -229,7 +262,9 @@ class TrainerHooks(TrainerAdapter):
     def _measure_grads(self) -> None:
         """The gradients of the step, divided by the fp16 loss scale of accelerate's GradScaler
         (the scaler's device tensor: no host sync; they are unscaled only after this)."""
-        grads, self._grads = self._grads, []
+        grads, self._grads, self._queued = self._grads, [], False
+        if self._grad_params:
+            grads = [(key, p.grad) for key, p in self._grad_params if p.grad is not None]
         with self.monitor.guard("gradient hook"):
             scale = self.loss_scale()
             self.monitor.add_tensors([key for key, _ in grads], [grad for _, grad in grads],
@@ -239,17 +274,37 @@ class TrainerHooks(TrainerAdapter):
     def before_optimizer_step(self) -> bool:
         """At `on_pre_optimizer_step`: the loss, DDP's gradients, then the decision. Returns
         True when a `stop` rule fired (the step is then skipped too)."""
+        self._queued = False  # (a backward that raised ran no callback)
         if self.reads is None:
             return False
         # the step's loss: the sum of shares, else the mean
         self.report_losses(lambda losses: losses.sum() * self.share_scale if self._loss_is_share else losses)
-        self.reads.before_step()  # with DDP: the gradients too (averaged now, and clipped)
+        # with DDP: the gradients too (averaged now; clipped, and so unscaled, when the Trainer clips)
+        self.reads.before_step(self._scale_in_grads())
         return self.decide_step(self.optimizer)
+
+    def _scale_in_grads(self) -> float | torch.Tensor:
+        """What the gradients are still multiplied by at `on_pre_optimizer_step`: accelerate
+        unscales them there only to clip (`max_grad_norm` > 0); with no clipping they still hold
+        the GradScaler's loss scale (its device tensor). 1 without a scaler."""
+        scale = self.loss_scale()
+        if scale is None or self.optimizer is None:
+            return 1.0
+        from torch.amp.grad_scaler import OptState
+
+        state = self.scaler._per_optimizer_states.get(id(self.optimizer), {})  # `get`: its defaultdict untouched
+        return 1.0 if state.get("stage") is OptState.UNSCALED else scale
 
     def after_optimizer_step(self) -> None:
         """After the Trainer's optimizer step: the gradients back, what the step changed
         (`TrainerAdapter.finish_step`)."""
         self.finish_step(self.optimizer)
+
+
+def _output_tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors a model's output holds at its top level (a `ModelOutput`, a dict, a tuple)."""
+    values = output.values() if isinstance(output, dict) else output if isinstance(output, (list, tuple)) else [output]
+    return [value for value in values if isinstance(value, torch.Tensor)]
 
 
 def _torch_optimizer(optimizer: Any, warn) -> torch.optim.Optimizer | None:

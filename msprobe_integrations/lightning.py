@@ -12,7 +12,8 @@ What is read, and where (automatic optimization; single device and DDP):
   after DDP's all-reduce) and BEFORE Lightning clips them (`gradient_clip_val`);
 - parameters and optimizer state: in the torch optimizer's step post-hook;
 - `16-mixed` (the precision plugin's GradScaler): the step's loss scale as
-  `train/loss_scale`, and a step the scaler skipped (an overflow) as `train/skipped` = 1;
+  `train/loss_scale` (the activation gradients, measured in the scaled backward, divided
+  by it before the rules see them), and a step the scaler skipped (an overflow) as `train/skipped` = 1;
   that step's loss-scaled rows (its inf/nan gradients) are dropped before the rules see them,
   as under the HF Trainer.
 

@@ -13,11 +13,15 @@ from typing import Any, Callable
 
 import torch
 
+import numpy as np
+
 from msprobe_engine.contract import Integration
 from msprobe_engine.frameworks.torch.optimizer_hooks import SKIPPED, restore_grads
 from msprobe_engine.health import LOSS_SCALE
+from msprobe_engine.incident.graph import INPUT_GRAD_KIND
 from msprobe_engine.monitor import Monitor
-from msprobe_engine.stats.table import MetricKey
+from msprobe_engine.stats import P_MAX, divide
+from msprobe_engine.stats.table import MetricKey, StatTable
 from msprobe_engine.steps.overflow import screen_scaler_overflow
 from msprobe_integrations.trainer_hooks import decide
 
@@ -28,6 +32,8 @@ LR = MetricKey("train", "lr")
 #: the step's throughput (since the previous step's end) and the memory at its end (Health/ shows them)
 TOKENS_PER_S, SAMPLES_PER_S = MetricKey("train", "tokens_per_s"), MetricKey("train", "samples_per_s")
 CPU_RSS_MB, DEVICE_MB = MetricKey("train", "cpu_rss_mb"), MetricKey("train", "device_mem_mb")
+#: rows a loss-scaled backward measures scaled (the parameter gradients are read unscaled)
+ACTIVATION_GRAD_KINDS = frozenset({"actv_grad", INPUT_GRAD_KIND})
 
 
 class TrainerAdapter(Integration):
@@ -50,9 +56,10 @@ class TrainerAdapter(Integration):
         self._skipped: bool | None = None  # the finished step's skip (None: none finished)
         self._scale_before: torch.Tensor | None = None  # the loss scale the step began with
         monitor.add_step_closer(self)
-        # a step the loss scaler skips (an fp16 overflow) shows its non-finite scaled gradients:
-        # routine, not an alert (its skip is train/skipped)
-        monitor.screen = screen_scaler_overflow
+        # under a loss scaler: activation gradients as unscaled, and a step the scaler skips (an
+        # fp16 overflow) shows its non-finite scaled gradients: routine, not an alert (its skip
+        # is train/skipped)
+        monitor.screen = screen_loss_scaled
 
     def keep_loss(self, loss: Any) -> None:
         """One micro-batch's loss (a tensor), kept on the device until the decision."""
@@ -145,6 +152,29 @@ class TrainerAdapter(Integration):
         seconds = max(time.perf_counter() - self._step_ended, 1e-9)
         return {SAMPLES_PER_S: self._samples / seconds if self._samples else None,
                 TOKENS_PER_S: self._tokens / seconds if self._tokens else None}
+
+
+def unscale_activation_grads(table: StatTable) -> StatTable:
+    """`table` with its activation-gradient rows (`ACTIVATION_GRAD_KINDS`) divided by the loss
+    scale the step's backward ran with (its `LOSS_SCALE` row, in the same table: both are
+    measured before the optimizer step): min, max and sum by s, the sum of squares by s².
+    Counts are unchanged, registered columns are left as measured. Without a loss scale: `table`."""
+    if LOSS_SCALE not in table.keys:
+        return table
+    scale = float(table.partials[table.keys.index(LOSS_SCALE), P_MAX])
+    rows = np.fromiter((key.kind in ACTIVATION_GRAD_KINDS for key in table.keys), dtype=bool, count=len(table.keys))
+    if not (rows.any() and np.isfinite(scale) and scale > 0):
+        return table
+    partials = table.partials.copy()
+    partials[rows] = divide(partials[rows], scale)
+    return StatTable(table.keys, partials, ranks=table.ranks)
+
+
+def screen_loss_scaled(table: StatTable) -> StatTable:
+    """A step's table as the rules see it under a loss scaler (GradScaler): activation gradients
+    unscaled (`unscale_activation_grads`), an overflow step's loss-scaled rows dropped
+    (`steps.overflow.screen_scaler_overflow`)."""
+    return screen_scaler_overflow(unscale_activation_grads(table))
 
 
 def batch_sizes(batch: Any) -> tuple[int, int]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.multiproc import run_ranks
-from tests.trainer_helpers import (GAS, LAYER, action_config, check_ddp_agreement, ddp_rank, gpt2, hf_run,
+from tests.trainer_helpers import (GAS, LAYER, action_config, check_ddp_agreement, gpt2, hf_ddp_rank, hf_run,
                                    hf_skip_then_stop_run, incidents)
 
 pytestmark = pytest.mark.slow  # each test trains with the real Trainer (a few seconds, most of it imports)
@@ -21,12 +21,18 @@ def test_gradients_are_read_before_clipping_and_equal_a_plain_torch_replay(tmp_p
     """max_grad_norm far below the gradient norm: the Trainer clips, we report the unclipped."""
     model = gpt2()
     reference_model = copy.deepcopy(model)
-    calls = []
-    capture = model.register_forward_pre_hook(lambda m, a, kw: calls.append(copy.deepcopy(kw)) if m.training else None,
-                                              with_kwargs=True)
+    calls, param_hooks = [], []
+
+    def capture_call(module, args, kwargs):
+        if module.training:
+            calls.append(copy.deepcopy(kwargs))
+            param_hooks.append(sum(len(p._post_accumulate_grad_hooks or {}) for p in module.parameters()))
+
+    capture = model.register_forward_pre_hook(capture_call, with_kwargs=True)
     callback, _ = hf_run(tmp_path, action_config(tmp_path), model=model, max_steps=1, max_grad_norm=0.05)
     capture.remove()
     assert len(calls) == GAS
+    assert param_hooks == [0] * GAS  # read in one batch at the backward's end, no hook per parameter
     for kwargs in calls:  # the same micro-batches through the model's own forward, plain torch
         loss = reference_model(**kwargs).loss
         (loss if kwargs.get("num_items_in_batch") is not None else loss / GAS).backward()
@@ -174,6 +180,19 @@ def test_deepspeed_zero2_and_zero3_on_two_ranks_merge_and_name_the_layer(tmp_pat
     np.testing.assert_equal(numbers[0], numbers[1])  # the ranks' records are the same merged ones (nan == nan)
 
 
-def test_ddp_ranks_agree_on_a_skip_only_one_rank_saw(tmp_path):
-    results = run_ranks(ddp_rank, 2, str(tmp_path), "hf", timeout=300)
-    check_ddp_agreement(results)
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory):
+    """Two DDP ranks (`hf_ddp_rank`), run once for the tests below."""
+    return run_ranks(hf_ddp_rank, 2, str(tmp_path_factory.mktemp("ddp")), timeout=300)
+
+
+def test_ddp_ranks_agree_on_a_skip_only_one_rank_saw(ddp_results):
+    check_ddp_agreement(ddp_results)
+
+
+def test_ddp_gradients_are_unscaled_when_the_trainer_does_not_clip(ddp_results):
+    """A GradScaler and max_grad_norm=0: the gradients still hold the loss scale at
+    on_pre_optimizer_step; the monitor's norm is the unscaled one measured by hand."""
+    for result in ddp_results:
+        measured, by_hand = result["scaled_norm"]
+        assert measured == pytest.approx(by_hand, rel=1e-6)

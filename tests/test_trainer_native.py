@@ -111,6 +111,7 @@ def test_alerts_go_through_tqdm_write_while_the_trainer_runs_and_not_after(tmp_p
 
 # ---- the loss scale (fp16 AMP's GradScaler) and a step its overflow skipped ------------------------------
 SCALE = 2.0 ** 10
+ACTV_GRADS = {"activation_grads": True}  # measured in the loss-scaled backward
 
 
 def _scaler():
@@ -137,7 +138,8 @@ def test_hf_loss_scale_and_a_step_the_scaler_skipped_on_an_overflow(tmp_path):
     runs = {}
     for scaled in (False, True):
         out = tmp_path / ("scaled" if scaled else "plain")
-        runs[scaled] = hf_run(out, action_config(out), overflows={1}, scaler=_scaler() if scaled else None,
+        runs[scaled] = hf_run(out, action_config(out, watch=ACTV_GRADS), overflows={1},
+                              scaler=_scaler() if scaled else None,
                               max_grad_norm=0.0, logging_steps=1)
     (plain_callback, _), (callback, trainer) = runs[False], runs[True]
     records, plain = list(callback.monitor.history), list(plain_callback.monitor.history)
@@ -150,6 +152,7 @@ def test_hf_loss_scale_and_a_step_the_scaler_skipped_on_an_overflow(tmp_path):
     _assert_overflow_is_no_alert(records, callback.monitor, plain_callback.monitor)
     # the gradients are measured unscaled: those of the run without a scaler (a power of 2: exactly)
     assert records[0].metrics["grad/global/norm"] == pytest.approx(plain[0].metrics["grad/global/norm"], rel=1e-9)
+    _assert_activation_grads_unscaled(records[0].metrics, plain[0].metrics, rel=1e-9)
 
 
 def test_lightning_loss_scale_and_a_step_the_scaler_skipped_on_an_overflow(tmp_path):
@@ -168,8 +171,9 @@ def test_lightning_loss_scale_and_a_step_the_scaler_skipped_on_an_overflow(tmp_p
             if batch_idx % GAS == GAS - 1:
                 seen.append(trainer.global_step)
 
-    plain, _ = lightning_run(tmp_path / "plain", action_config(tmp_path / "plain"), overflows={1})
-    callback, trainer = lightning_run(tmp_path / "scaled", action_config(tmp_path / "scaled"), overflows={1},
+    plain, _ = lightning_run(tmp_path / "plain", action_config(tmp_path / "plain", watch=ACTV_GRADS), overflows={1})
+    callback, trainer = lightning_run(tmp_path / "scaled", action_config(tmp_path / "scaled", watch=ACTV_GRADS),
+                                      overflows={1},
                                       plugins=[MixedPrecision("16-mixed", "cpu", scaler=_scaler())],
                                       callbacks=[GlobalStep()])
     records = list(callback.monitor.history)
@@ -183,3 +187,13 @@ def test_lightning_loss_scale_and_a_step_the_scaler_skipped_on_an_overflow(tmp_p
     # Lightning unscales before on_before_optimizer_step: the fp32 run's gradients, to fp16 autocast's precision
     first = plain.monitor.history[0].metrics["grad/global/norm"]
     assert records[0].metrics["grad/global/norm"] == pytest.approx(first, rel=2e-2)
+    _assert_activation_grads_unscaled(records[0].metrics, plain.monitor.history[0].metrics, rel=2e-2)
+
+
+def _assert_activation_grads_unscaled(scaled: dict, plain: dict, rel: float) -> None:
+    """Every activation-gradient statistic of a loss-scaled step is the unscaled run's (the
+    loss scale, 1024, divided out of min, max, mean and norm)."""
+    keys = [k for k in plain if k.startswith(("actv_grad/", "actv_in_grad/")) and k.endswith(("/norm", "/max", "/min"))]
+    assert len(keys) >= 6
+    for key in keys:
+        assert scaled[key] == pytest.approx(plain[key], rel=rel, abs=1e-9), key

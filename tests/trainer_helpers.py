@@ -218,6 +218,27 @@ def ddp_rank(rank: int, world: int, out: str, trainer: str) -> dict:
             "checksum": [float(p.detach().double().sum()) for p in params]}
 
 
+def hf_ddp_rank(rank: int, world: int, out: str) -> dict:
+    """Under the HF Trainer on DDP: `ddp_rank`'s run, then one step with a GradScaler and no
+    clipping (`max_grad_norm=0`: accelerate does not unscale before on_pre_optimizer_step),
+    with the global norm of the step's (averaged, loss-scaled) gradients taken there by hand."""
+    from transformers import TrainerCallback
+
+    result = ddp_rank(rank, world, out, "hf")
+    scale, norms = 2.0 ** 10, []
+
+    class GradNorm(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            grads = [p.grad.double() for p in model.parameters() if p.grad is not None]
+            norms.append(float(torch.stack([g.norm() for g in grads]).norm()) / scale)
+
+    scaled = Path(out) / "scaled"
+    callback, _ = hf_run(scaled, action_config(scaled / "monitor"), rows=8, max_steps=1, max_grad_norm=0.0,
+                         scaler=torch.amp.GradScaler("cpu", init_scale=scale), callbacks=[GradNorm()])
+    (record,) = callback.monitor.history
+    return {**result, "scaled_norm": (record.metrics["grad/global/norm"], norms[0])}
+
+
 def check_ddp_agreement(results: list[dict]) -> None:
     """What `ddp_rank` returned: rank 0 alone alerted, yet both ranks skipped its step."""
     assert [r["world"] for r in results] == [2, 2]

@@ -100,10 +100,11 @@ class OptimizerHooks(Handles):
         self.after_step(optimizer)
         monitor.after_optimizer_step()
 
-    def before_step(self) -> None:
+    def before_step(self, divisor: float | torch.Tensor = 1.0) -> None:
         """What is read just before the optimizer step: the rows compiled code wrote in this step
-        (`compiled_hooks.harvest`), the gradients (unless `read_grads` is off) and, for
-        `update`/`ratio`, a copy of the parameters."""
+        (`compiled_hooks.harvest`), the gradients (unless `read_grads` is off; divided by
+        `divisor`, e.g. a loss scale still in them) and, for `update`/`ratio`, a copy of the
+        parameters."""
         monitor = self.monitor
         if monitor.active:
             with monitor.guard("optimizer pre-step hook"):
@@ -111,7 +112,7 @@ class OptimizerHooks(Handles):
                     compiled_hooks.harvest(monitor)
                 if monitor.config.watch.param_grads and self.read_grads:
                     grads = [(n, p.grad) for n, p in self.params if p.grad is not None]
-                    monitor.add_tensors([MetricKey("grad", n) for n, _ in grads], [g for _, g in grads])
+                    monitor.add_tensors([MetricKey("grad", n) for n, _ in grads], [g for _, g in grads], divisor)
                 if self.update and not monitor.replaying:
                     self._before = self._copy_params()
 
