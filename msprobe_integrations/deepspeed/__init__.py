@@ -81,6 +81,7 @@ class DeepSpeedMonitor(Integration):
                  start_step: int | None = None) -> None:
         _check_engine(engine)
         import torch.distributed as dist
+        from deepspeed.runtime.pipe.engine import PipelineEngine
 
         from msprobe_engine.frameworks.torch import backend as torch_backend
         from msprobe_engine.frameworks.torch.module_hooks import ModuleHooks
@@ -88,14 +89,18 @@ class DeepSpeedMonitor(Integration):
         from msprobe_integrations.deepspeed.experts import EXPERT_MODULES, expert_layers
         from msprobe_integrations.deepspeed.hooks import EngineHooks, norm_not_comparable
         from msprobe_integrations.deepspeed.merge import RankMerge
+        from msprobe_integrations.deepspeed.pipeline import PipelineMerge
         from msprobe_integrations.deepspeed.routers import attach_gates
         from msprobe_integrations.deepspeed.shards import shard_reader
 
         config = load_config(config if config is not None else ds_config_block(engine))
         distributed = dist.is_initialized()
         group = getattr(engine, "seq_data_parallel_group", None) or engine.data_parallel_group
-        reducer = RankMerge(group, per_rank=config.per_rank)
-        layers = expert_layers(engine.module, reducer.world) if distributed else []
+        dp_rank, dp_world = (dist.get_rank(group), dist.get_world_size(group)) if distributed else (0, 1)
+        pipeline = isinstance(engine, PipelineEngine)
+        # a pipeline's stages hold different layers: merged over all its ranks (`pipeline`)
+        reducer = (PipelineMerge if pipeline else RankMerge)(None if pipeline else group, per_rank=config.per_rank)
+        layers = expert_layers(engine.module, dp_world) if distributed else []
         if layers:  # EP > 1: the experts' own activations are other ranks' tokens
             modules = dataclasses.replace(config.modules, exclude_regex=[*config.modules.exclude_regex, EXPERT_MODULES])
             config = dataclasses.replace(config, modules=modules)
@@ -106,14 +111,13 @@ class DeepSpeedMonitor(Integration):
                           reducer=reducer, start_step=start_step)
         super().__init__(monitor)
         self.engine = engine
-        if engine.mpu is not None:
+        if engine.mpu is not None and not pipeline:
             monitor.warn("model parallelism is set: statistics are merged over the data-parallel group "
                          "only; set per_rank: true to keep every model-parallel rank's records")
         other_norm = norm_not_comparable(engine)
         if other_norm and any(rule.rule == "misreported_grad_norm" for rule in config.alerts):
             monitor.warn(f"misreported_grad_norm: {other_norm}; it is not checked")
-        reader = shard_reader(engine, dist.get_rank(group) if distributed else 0, reducer.world, monitor.warn,
-                              layers)
+        reader = shard_reader(engine, dp_rank, dp_world, monitor.warn, layers)
         monitor.add_attachment(ModuleHooks(monitor, engine.module), EngineHooks(monitor, engine, reader),
                                *attach_gates(monitor, engine.module), *attach_routers(monitor, engine.module))
         if engine_monitor:
@@ -155,6 +159,6 @@ def _check_engine(engine: Any) -> None:
         raise TypeError("DeepSpeedMonitor: expected the engine returned by deepspeed.initialize "
                         f"(a deepspeed.DeepSpeedEngine), got {type(engine).__module__}.{type(engine).__name__}; "
                         "for a plain torch model use msprobe_integrations.torch.TorchMonitor")
-    if isinstance(engine, PipelineEngine):
-        raise NotImplementedError("DeepSpeedMonitor: pipeline-parallel engines (PipelineEngine, "
-                                  "engine.train_batch) are not supported yet; nothing would be monitored")
+    if isinstance(engine, PipelineEngine) and engine.grid.get_slice_parallel_world_size() > 1:
+        raise NotImplementedError("DeepSpeedMonitor: a PipelineEngine with a model-parallel dimension in its "
+                                  "topology is not supported (only pipeline x data parallel)")

@@ -37,6 +37,7 @@ from msprobe_engine.health import LOSS_SCALE
 from msprobe_engine.incident.actions import TrainingStopped
 from msprobe_engine.stats.table import MetricKey, StatTable
 from msprobe_engine.steps.overflow import SCALED_KINDS, overflowed, without_scaled
+from msprobe_integrations.deepspeed.pipeline import last_stage_losses
 from msprobe_integrations.deepspeed.shards import ShardReader
 
 if TYPE_CHECKING:
@@ -59,6 +60,10 @@ def norm_not_comparable(engine: Any) -> str | None:
     from deepspeed.moe.utils import is_moe_param
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    if isinstance(engine, PipelineEngine):
+        return "a PipelineEngine's grad norm is not checked against the merged one (not verified)"
     if engine.mpu is not None:
         return "DeepSpeed's grad norm covers the model-parallel ranks, the monitor's only this rank's part"
     if isinstance(engine.optimizer, FP16_UnfusedOptimizer) and any(map(is_moe_param, engine.module.parameters())):
@@ -70,6 +75,8 @@ class EngineHooks:
     """Reads one DeepSpeed engine's gradients, parameters and optimizer state per optimizer step."""
 
     def __init__(self, monitor: "Monitor", engine: Any, reader: ShardReader | None) -> None:
+        from deepspeed.runtime.pipe.engine import PipelineEngine
+
         self.monitor = monitor
         self.engine = engine
         self.reader = reader
@@ -90,14 +97,19 @@ class EngineHooks:
         self._overflow = False
         self._before: list[torch.Tensor] | None = None
         self._losses: list[torch.Tensor] = []
-        self._backward, self._step = engine.backward, engine.step
-        engine.backward, engine.step = self.backward, self.step
+        # a PipelineEngine runs its schedule inside train_batch, where `_take_model_step` is the
+        # optimizer step and the last stage's losses are kept (`pipeline.last_stage_losses`)
+        self.pipeline = isinstance(engine, PipelineEngine)
+        self._wrapped = {"_take_model_step": "step"} if self.pipeline else {"backward": "backward", "step": "step"}
+        self._backward, self._step = engine.backward, getattr(engine, next(reversed(self._wrapped)))
+        for theirs, ours in self._wrapped.items():
+            setattr(engine, theirs, getattr(self, ours))
 
     def remove(self) -> None:
         """Give the engine its own methods back."""
-        for name in ("backward", "step"):
-            if self.engine.__dict__.get(name) == getattr(self, name):
-                del self.engine.__dict__[name]
+        for theirs, ours in self._wrapped.items():
+            if self.engine.__dict__.get(theirs) == getattr(self, ours):
+                del self.engine.__dict__[theirs]
 
     # ---- the wrappers ---------------------------------------------------------------
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -123,6 +135,8 @@ class EngineHooks:
         """Measure what is final before the step, then decide: True to skip the step."""
         monitor, reader = self.monitor, self.reader
         losses, self._losses = self._losses, []
+        if self.pipeline:
+            losses = last_stage_losses(self.engine)
         self._overflow = False
         if monitor.active and losses:  # the step's micro-batch losses, measured at once
             with monitor.guard("DeepSpeed loss"):

@@ -1,0 +1,104 @@
+"""DeepSpeed's PipelineEngine on CPU for tests/test_deepspeed_pipeline.py: a four-layer
+`PipelineModule` (LayerSpecs) in two stages (layers 0-1, 2-3) trained by `engine.train_batch` in
+each of two ranks under DeepSpeedMonitor, and the truth: the same model (the same initial weights,
+data and AdamW) trained unpipelined in the rank, with each layer's output, output gradient,
+parameter gradient, weight and Adam moments measured in float64 at the monitor's points."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+DIM, OUT, BATCH, GAS, STEPS = 8, 4, 4, 2, 2
+STATS = ("min", "max", "mean", "norm", "numel")
+LR = 1e-2
+
+
+def _layers() -> list:
+    """(class, args) of each layer, for LayerSpecs and for the reference."""
+    return [(torch.nn.Linear, (DIM, 2 * DIM)), (torch.nn.Tanh, ()), (torch.nn.Linear, (2 * DIM, 2 * DIM)),
+            (torch.nn.Linear, (2 * DIM, OUT))]
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(BATCH, DIM, generator=gen), torch.randn(BATCH, OUT, generator=gen))
+            for _ in range(STEPS * GAS)]
+
+
+def _summary(tensor: torch.Tensor) -> dict[str, float]:
+    values = tensor.detach().double().reshape(-1)
+    return {"min": values.min().item(), "max": values.max().item(), "mean": values.mean().item(),
+            "norm": values.norm().item(), "numel": float(values.numel())}
+
+
+def _stats(base: str, tensor: torch.Tensor) -> dict[str, float]:
+    return {f"{base}/{stat}": value for stat, value in _summary(tensor).items()}
+
+
+def truth(reference: torch.nn.Sequential) -> list[dict[str, float]]:
+    """Each step's statistics of the unpipelined run, by the monitor's tags."""
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=LR)
+    data = iter(_batches())
+    out = []
+    for _ in range(STEPS):
+        outputs: dict[str, list] = {}
+        grads: dict[str, list] = {}
+
+        def keep(name):
+            def hook(module, args, output):
+                outputs.setdefault(name, []).append(output.detach())
+                output.register_hook(lambda g: grads.setdefault(name, []).append(g.detach()))
+            return hook
+
+        handles = [m.register_forward_hook(keep(n)) for n, m in reference.named_children()]
+        for _ in range(GAS):
+            x, y = next(data)
+            (torch.nn.functional.mse_loss(reference(x), y) / GAS).backward()
+        for h in handles:
+            h.remove()
+        step = {}
+        for name in outputs:
+            step |= _stats(f"actv/{name}/output", torch.cat(outputs[name]))
+            step |= _stats(f"actv_grad/{name}/output", torch.cat(grads[name]))
+        step |= {k: v for n, p in reference.named_parameters() for k, v in _stats(f"grad/{n}", p.grad).items()}
+        optimizer.step()
+        optimizer.zero_grad()
+        for n, p in reference.named_parameters():
+            step |= _stats(f"param/{n}", p)
+            step |= _stats(f"optim/{n}/exp_avg", optimizer.state[p]["exp_avg"])
+            step |= _stats(f"optim/{n}/exp_avg_sq", optimizer.state[p]["exp_avg_sq"])
+        out.append(step)
+    return out
+
+
+def run(rank: int, world: int, out: str) -> dict:
+    """Train STEPS `train_batch`es of GAS micro-batches on two pipeline stages under
+    DeepSpeedMonitor; this rank's records, its layers' names, and the truth (rank 0)."""
+    import deepspeed
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    from examples.deepspeed_train import init_distributed
+    from msprobe_integrations.deepspeed import DeepSpeedMonitor
+
+    init_distributed()
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(*(cls(*args) for cls, args in _layers()))
+    model = PipelineModule([LayerSpec(cls, *args) for cls, args in _layers()], num_stages=world,
+                           loss_fn=torch.nn.MSELoss(), partition_method="uniform")
+    model.load_state_dict({k: v for k, v in reference.state_dict().items() if k in model.state_dict()})
+    config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": GAS,
+              "zero_optimization": {"stage": 0}, "steps_per_print": 10 ** 6, "gradient_clipping": 0.0}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
+                                      config=config)
+    monitor = DeepSpeedMonitor(engine, {
+        "output_dir": str(Path(out) / "run"), "strict": True, "sinks": ["jsonl"], "stats": list(STATS),
+        "watch": {"params": True, "activation_grads": True, "optimizer_state": ["exp_avg", "exp_avg_sq"]},
+        "alerts": [{"rule": "non_finite"}]})
+    data = iter(_batches())
+    losses = [float(engine.train_batch(data)) for _ in range(STEPS)]
+    monitor.close()
+    return {"records": [(r.step, dict(r.metrics), [(a.rule, a.phase, a.tag) for a in r.alerts])
+                        for r in monitor.history],
+            "names": [n for n, _ in model.named_parameters()], "losses": losses,
+            "truth": truth(reference) if rank == 0 else None}

@@ -1,0 +1,58 @@
+"""DeepSpeed's PipelineEngine under DeepSpeedMonitor (CPU, gloo, one launch of two ranks = two
+pipeline stages, `engine.train_batch`): every layer's output, output gradient, parameter
+gradient, weight and Adam moments, on both ranks under the PipelineModule's global layer names,
+equal the same model trained unpipelined (`ds_pipe_helpers.truth`) within 1e-6 relative; one
+record per train_batch, the loss from the last stage, no rule fires."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests import ds_pipe_helpers as H
+from tests.multiproc import run_ranks
+
+pytestmark = pytest.mark.slow
+RTOL = 1e-6
+MERGED = ("actv", "actv_grad", "grad", "param", "optim", "train")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return run_ranks(H.run, 2, str(tmp_path_factory.mktemp("ds_pipe")), timeout=300, env={"DS_ACCELERATOR": "cpu"})
+
+
+def _close(got: dict, want: dict, tag: str) -> bool:
+    """Norms and counts within RTOL of their value; min, max and mean within RTOL of the tensor's
+    largest magnitude (float32 sums in another order)."""
+    base, _, stat = tag.rpartition("/")
+    scale = max(abs(want[f"{base}/min"]), abs(want[f"{base}/max"])) if stat in ("min", "max", "mean") else 0.0
+    return math.isclose(got[tag], want[tag], rel_tol=RTOL, abs_tol=RTOL * scale)
+
+
+def test_each_stage_holds_its_layers_under_their_global_names(ranks):
+    assert [rank["names"] for rank in ranks] == [["0.weight", "0.bias"],
+                                                 ["2.weight", "2.bias", "3.weight", "3.bias"]]
+
+
+def test_every_rank_reports_every_stages_statistics_equal_to_the_unpipelined_truth(ranks):
+    truth = ranks[0]["truth"]
+    # 4 layers x (output, its gradient) + 6 parameters x (gradient, weight, exp_avg, exp_avg_sq)
+    assert len(truth) == H.STEPS and len(truth[0]) == (4 * 2 + 6 * 4) * len(H.STATS)
+    for rank in ranks:
+        records = rank["records"]
+        assert [step for step, _, _ in records] == list(range(H.STEPS))  # one record per train_batch
+        for (step, got, alerts), want in zip(records, truth):
+            assert set(want) <= set(got), sorted(set(want) - set(got))[:5]
+            bad = [t for t in want if not _close(got, want, t)]
+            assert not bad, (step, bad[:5])
+            assert not alerts
+    merged = [[{t: v for t, v in m.items() if t.split("/")[0] in MERGED} for _, m, _ in rank["records"]]
+              for rank in ranks]
+    assert merged[0] == merged[1] and len(merged[0][0]) > len(truth[0])  # every rank the same rows (+ global norms)
+
+
+def test_the_loss_is_the_last_stages_mean_over_the_micro_batches(ranks):
+    for rank in ranks:
+        assert [m["train/loss"] for _, m, _ in rank["records"]] == pytest.approx(rank["losses"], rel=1e-6)
+        assert [m["train/skipped"] for _, m, _ in rank["records"]] == [0.0] * H.STEPS
