@@ -9,8 +9,10 @@ from pathlib import Path
 
 import torch
 
+from tests.ds_moe_helpers import LAYOUT_STATS as STATS
+from tests.ds_moe_helpers import summary
+
 DIM, OUT, BATCH, GAS, STEPS = 8, 4, 4, 2, 2
-STATS = ("min", "max", "mean", "norm", "numel")
 LR = 1e-2
 
 
@@ -26,14 +28,8 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(STEPS * GAS)]
 
 
-def _summary(tensor: torch.Tensor) -> dict[str, float]:
-    values = tensor.detach().double().reshape(-1)
-    return {"min": values.min().item(), "max": values.max().item(), "mean": values.mean().item(),
-            "norm": values.norm().item(), "numel": float(values.numel())}
-
-
 def _stats(base: str, tensor: torch.Tensor) -> dict[str, float]:
-    return {f"{base}/{stat}": value for stat, value in _summary(tensor).items()}
+    return {f"{base}/{stat}": value for stat, value in summary(tensor).items()}
 
 
 def truth(reference: torch.nn.Sequential) -> list[dict[str, float]]:
@@ -100,5 +96,6 @@ def run(rank: int, world: int, out: str) -> dict:
     monitor.close()
     return {"records": [(r.step, dict(r.metrics), [(a.rule, a.phase, a.tag) for a in r.alerts])
                         for r in monitor.history],
+            "micro_steps": [r.micro_steps for r in monitor.history],
             "names": [n for n, _ in model.named_parameters()], "losses": losses,
             "truth": truth(reference) if rank == 0 else None}

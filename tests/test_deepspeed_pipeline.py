@@ -2,14 +2,13 @@
 pipeline stages, `engine.train_batch`): every layer's output, output gradient, parameter
 gradient, weight and Adam moments, on both ranks under the PipelineModule's global layer names,
 equal the same model trained unpipelined (`ds_pipe_helpers.truth`) within 1e-6 relative; one
-record per train_batch, the loss from the last stage, no rule fires."""
+record per train_batch of GAS micro-steps, the loss from the last stage, no rule fires."""
 from __future__ import annotations
-
-import math
 
 import pytest
 
 from tests import ds_pipe_helpers as H
+from tests.ds_moe_helpers import close
 from tests.multiproc import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -20,14 +19,6 @@ MERGED = ("actv", "actv_grad", "grad", "param", "optim", "train")
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     return run_ranks(H.run, 2, str(tmp_path_factory.mktemp("ds_pipe")), timeout=300, env={"DS_ACCELERATOR": "cpu"})
-
-
-def _close(got: dict, want: dict, tag: str) -> bool:
-    """Norms and counts within RTOL of their value; min, max and mean within RTOL of the tensor's
-    largest magnitude (float32 sums in another order)."""
-    base, _, stat = tag.rpartition("/")
-    scale = max(abs(want[f"{base}/min"]), abs(want[f"{base}/max"])) if stat in ("min", "max", "mean") else 0.0
-    return math.isclose(got[tag], want[tag], rel_tol=RTOL, abs_tol=RTOL * scale)
 
 
 def test_each_stage_holds_its_layers_under_their_global_names(ranks):
@@ -42,9 +33,10 @@ def test_every_rank_reports_every_stages_statistics_equal_to_the_unpipelined_tru
     for rank in ranks:
         records = rank["records"]
         assert [step for step, _, _ in records] == list(range(H.STEPS))  # one record per train_batch
+        assert rank["micro_steps"] == [H.GAS] * H.STEPS  # of the engine's micro-batches
         for (step, got, alerts), want in zip(records, truth):
             assert set(want) <= set(got), sorted(set(want) - set(got))[:5]
-            bad = [t for t in want if not _close(got, want, t)]
+            bad = [t for t in want if not close(got, want, t, RTOL)]
             assert not bad, (step, bad[:5])
             assert not alerts
     merged = [[{t: v for t, v in m.items() if t.split("/")[0] in MERGED} for _, m, _ in rank["records"]]

@@ -29,6 +29,13 @@ statistics over the data-parallel group (`msprobe_integrations.deepspeed.merge`)
 no full parameter is gathered. Rank 0 writes the merged run; with
 `per_rank: true` every rank writes its own (its own loss and activations).
 
+A `PipelineEngine` (`engine.train_batch(data_iter)`, pipeline x data parallel): one monitored step per
+`train_batch`, a micro-step per micro-batch; each stage measures its own layers, named by the
+`PipelineModule`'s global layer index (`2.weight` on whichever stage holds layer 2), around the
+schedule's optimizer step; the loss is the last stage's. Every rank's rows are completed with empty
+placeholders of the other stages' and merged over all the pipeline's ranks (`pipeline`), so every rank
+holds the whole model's statistics and rank 0 writes them.
+
 Alert actions are applied in `engine.step()` (`hooks.EngineHooks`): `skip` runs DeepSpeed's
 step with the torch optimizer's and lr scheduler's `step` as no-ops, `stop` raises
 `TrainingStopped` before it; fp16 overflow steps are screened out of the decision.
@@ -47,9 +54,11 @@ links DeepSpeed's own `safe_get_full_*` helpers use; ZeRO-0 fp16/bf16
 (`FP16_UnfusedOptimizer`): `fp16_groups` / `fp32_groups`; MoE: `deepspeed.moe.sharded_moe.TopKGate`
 (`wg`, `k`, `drop_tokens`, and what its forward returns), `MOELayer` (`ep_size`, `ep_group`,
 `ep_group_name`, `num_local_experts`), `experts.deepspeed_experts`,
-`deepspeed.utils.groups._get_expert_data_parallel_group`, `deepspeed.moe.utils.is_moe_param`.
+`deepspeed.utils.groups._get_expert_data_parallel_group`, `deepspeed.moe.utils.is_moe_param`;
+`PipelineEngine`: `_take_model_step`, `fwd_outputs`, `is_last_stage()`,
+`grid.get_slice_parallel_world_size()`.
 
-Not supported: pipeline engines (`PipelineEngine`, an error), optimizer wrappers
+Not supported: a `PipelineEngine` with a model-parallel dimension (an error), optimizer wrappers
 other than those above (a warning; activations and loss are still monitored).
 """
 from __future__ import annotations
