@@ -22,9 +22,10 @@ def _layers() -> list:
             (torch.nn.Linear, (2 * DIM, OUT))]
 
 
-def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(dp: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Each micro-batch of the run: one (input, target) per data-parallel rank."""
     gen = torch.Generator().manual_seed(1)
-    return [(torch.randn(BATCH, DIM, generator=gen), torch.randn(BATCH, OUT, generator=gen))
+    return [[(torch.randn(BATCH, DIM, generator=gen), torch.randn(BATCH, OUT, generator=gen)) for _ in range(dp)]
             for _ in range(STEPS * GAS)]
 
 
@@ -32,10 +33,11 @@ def _stats(base: str, tensor: torch.Tensor) -> dict[str, float]:
     return {f"{base}/{stat}": value for stat, value in summary(tensor).items()}
 
 
-def truth(reference: torch.nn.Sequential) -> list[dict[str, float]]:
-    """Each step's statistics of the unpipelined run, by the monitor's tags."""
+def truth(reference: torch.nn.Sequential, dp: int) -> list[dict[str, float]]:
+    """Each step's statistics of the unpipelined run (every data-parallel rank's micro-batches in
+    one), by the monitor's tags."""
     optimizer = torch.optim.AdamW(reference.parameters(), lr=LR)
-    data = iter(_batches())
+    data = iter([tuple(torch.cat(t) for t in zip(*micro)) for micro in _batches(dp)])
     out = []
     for _ in range(STEPS):
         outputs: dict[str, list] = {}
@@ -56,7 +58,8 @@ def truth(reference: torch.nn.Sequential) -> list[dict[str, float]]:
         step = {}
         for name in outputs:
             step |= _stats(f"actv/{name}/output", torch.cat(outputs[name]))
-            step |= _stats(f"actv_grad/{name}/output", torch.cat(grads[name]))
+            # each data-parallel rank's of its own mean loss: dp times the whole batch's
+            step |= _stats(f"actv_grad/{name}/output", torch.cat(grads[name]) * dp)
         step |= {k: v for n, p in reference.named_parameters() for k, v in _stats(f"grad/{n}", p.grad).items()}
         optimizer.step()
         optimizer.zero_grad()
@@ -68,34 +71,46 @@ def truth(reference: torch.nn.Sequential) -> list[dict[str, float]]:
     return out
 
 
-def run(rank: int, world: int, out: str) -> dict:
-    """Train STEPS `train_batch`es of GAS micro-batches on two pipeline stages under
-    DeepSpeedMonitor; this rank's records, its layers' names, and the truth (rank 0)."""
+def run_all(rank: int, world: int, out: str, stages: int = 2) -> dict[int, dict]:
+    """The whole launch (tests.multiproc.run_ranks): `run` on ZeRO-0 and ZeRO-1, one after the other."""
+    from examples.deepspeed_train import init_distributed
+
+    init_distributed()
+    return {zero: run(rank, world, str(Path(out) / f"zero{zero}"), stages, zero) for zero in (0, 1)}
+
+
+def run(rank: int, world: int, out: str, stages: int = 2, zero: int = 0) -> dict:
+    """Train STEPS `train_batch`es of GAS micro-batches on `stages` pipeline stages (x world / stages
+    data-parallel ranks, ZeRO stage `zero`) under DeepSpeedMonitor; this rank's records, its layers'
+    names, and the truth (rank 0)."""
     import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule
 
-    from examples.deepspeed_train import init_distributed
     from msprobe_integrations.deepspeed import DeepSpeedMonitor
 
-    init_distributed()
     torch.manual_seed(0)
     reference = torch.nn.Sequential(*(cls(*args) for cls, args in _layers()))
-    model = PipelineModule([LayerSpec(cls, *args) for cls, args in _layers()], num_stages=world,
+    model = PipelineModule([LayerSpec(cls, *args) for cls, args in _layers()], num_stages=stages,
                            loss_fn=torch.nn.MSELoss(), partition_method="uniform")
     model.load_state_dict({k: v for k, v in reference.state_dict().items() if k in model.state_dict()})
     config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": GAS,
-              "zero_optimization": {"stage": 0}, "steps_per_print": 10 ** 6, "gradient_clipping": 0.0}
+              "zero_optimization": {"stage": zero}, "steps_per_print": 10 ** 6, "gradient_clipping": 0.0}
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
                                       config=config)
     monitor = DeepSpeedMonitor(engine, {
         "output_dir": str(Path(out) / "run"), "strict": True, "sinks": ["jsonl"], "stats": list(STATS),
         "watch": {"params": True, "activation_grads": True, "optimizer_state": ["exp_avg", "exp_avg_sq"]},
-        "alerts": [{"rule": "non_finite"}]})
-    data = iter(_batches())
-    losses = [float(engine.train_batch(data)) for _ in range(STEPS)]
+        "alerts": [{"rule": "non_finite"}, {"rule": "misreported_grad_norm", "tolerance": 1e-5}]})
+    dp = world // stages
+    data = iter([micro[engine.grid.get_data_parallel_id()] for micro in _batches(dp)])
+    losses, norms = [], []  # DeepSpeed's grad norm: none on ZeRO-0 fp32
+    for _ in range(STEPS):
+        losses.append(float(engine.train_batch(data)))
+        norm = engine.get_global_grad_norm()
+        norms.append(None if norm is None else float(norm))
     monitor.close()
     return {"records": [(r.step, dict(r.metrics), [(a.rule, a.phase, a.tag) for a in r.alerts])
                         for r in monitor.history],
             "micro_steps": [r.micro_steps for r in monitor.history],
-            "names": [n for n, _ in model.named_parameters()], "losses": losses,
-            "truth": truth(reference) if rank == 0 else None}
+            "names": [n for n, _ in model.named_parameters()], "losses": losses, "ds_norms": norms,
+            "truth": truth(reference, dp) if rank == 0 else None}

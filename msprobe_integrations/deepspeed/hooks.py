@@ -53,7 +53,7 @@ def _no_op(*args: Any, **kwargs: Any) -> None:
 def norm_not_comparable(engine: Any) -> str | None:
     """Why `engine.get_global_grad_norm()` is not the norm of the gradients the monitor merges
     (None: it is). With model parallelism (`engine.mpu`) it covers the model-parallel ranks, the
-    merge the data-parallel group only. DeepSpeed 0.19.8's ZeRO-0 fp16/bf16 wrapper
+    merge the data-parallel group only (a PipelineEngine's merge covers all its ranks). DeepSpeed 0.19.8's ZeRO-0 fp16/bf16 wrapper
     (`FP16_UnfusedOptimizer`) leaves the MoE experts' gradients out of it (its `_global_grad_norm`
     is the non-expert groups' norm), whatever the expert-parallel size; ZeRO-1/2 and
     `BF16_Optimizer` include them."""
@@ -62,9 +62,8 @@ def norm_not_comparable(engine: Any) -> str | None:
 
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    if isinstance(engine, PipelineEngine):
-        return "a PipelineEngine's grad norm is not checked against the merged one (not verified)"
-    if engine.mpu is not None:
+    # a PipelineEngine's mpu is its grid: its norm covers every stage, as the monitor's merge does
+    if engine.mpu is not None and not isinstance(engine, PipelineEngine):
         return "DeepSpeed's grad norm covers the model-parallel ranks, the monitor's only this rank's part"
     if isinstance(engine.optimizer, FP16_UnfusedOptimizer) and any(map(is_moe_param, engine.module.parameters())):
         return "DeepSpeed's ZeRO-0 fp16/bf16 grad norm leaves out the MoE experts' gradients"
