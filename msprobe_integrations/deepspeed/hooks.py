@@ -7,6 +7,10 @@
                            applied, parameters and optimizer state, DeepSpeed's own global
                            grad norm (`report_grad_norm`), `step_end`.
 
+A `PipelineEngine` runs its schedule inside `train_batch`: its optimizer step
+`_take_model_step` is wrapped in place of `engine.step` (the same before/after), `backward` is not,
+and the losses are the last stage's micro-batch losses the engine keeps (`pipeline.last_stage_losses`).
+
 The monitor's decision is applied here. `skip`: DeepSpeed's step runs with the wrapped torch
 optimizer's `step` and the lr scheduler's `step` made no-ops for that one call (instance
 attributes, removed right after), so every ZeRO stage copies its unchanged fp32 masters back
