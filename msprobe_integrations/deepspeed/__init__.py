@@ -123,6 +123,9 @@ class DeepSpeedMonitor(Integration):
         if engine.mpu is not None and not pipeline:
             monitor.warn("model parallelism is set: statistics are merged over the data-parallel group "
                          "only; set per_rank: true to keep every model-parallel rank's records")
+        if pipeline and config.per_rank and reducer.world > 1:
+            monitor.warn("per_rank under a PipelineEngine: each rank's own activation and loss rows of the "
+                         "layers other stages hold are empty (numel 0, min/max/mean nan)")
         other_norm = norm_not_comparable(engine)
         if other_norm and any(rule.rule == "misreported_grad_norm" for rule in config.alerts):
             monitor.warn(f"misreported_grad_norm: {other_norm}; it is not checked")
