@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from msprobe_engine.frameworks.torch.distributed import gather_rows
+from msprobe_engine.frameworks.torch.distributed import gather_rows, layout_checksum
 from msprobe_engine.stats.columns import empty_row
 from msprobe_engine.stats.table import MetricKey
 from msprobe_integrations.deepspeed.merge import RankMerge
@@ -51,30 +51,31 @@ class PipelineMerge(RankMerge):
 
     def __init__(self, group=None, per_rank: bool = False) -> None:
         super().__init__(group, per_rank)
-        #: gathered layout checksums -> (the union's items, where this rank's rows go in it)
-        self._plans: dict[tuple[int, ...], tuple[list[Item], torch.Tensor]] = {}
+        #: gathered layout checksums -> (the union's keys, their steps relative to the last, where this
+        #: rank's rows go in it)
+        self._plans: dict[tuple[int, ...], tuple[list[MetricKey], np.ndarray, torch.Tensor]] = {}
 
     def complete(self, keys: list[MetricKey], steps: np.ndarray,
                  rows: torch.Tensor) -> tuple[list[MetricKey], np.ndarray, torch.Tensor]:
         if self.world == 1:
             return keys, steps, rows
-        items = items_of(keys, steps)
-        checksum = zlib.crc32(repr(items).encode()) - (1 << 31)
+        last = int(steps.max()) if len(steps) else 0
+        checksum = zlib.crc32((steps - last).astype(np.int64).tobytes(), layout_checksum(keys))
         mine = torch.tensor([[checksum]], dtype=torch.int64, device=rows.device)
         layouts = tuple(gather_rows(mine, self.group).reshape(-1).tolist())  # one small host read
         plan = self._plans.get(layouts)
-        if plan is None:
+        if plan is None:  # a new layout somewhere: the keys themselves, once
+            items = items_of(keys, steps)
             gathered: list = [None] * self.world
             dist.all_gather_object(gathered, items, group=self.group)
             full = union(gathered)
             at = {item: i for i, item in enumerate(full)}
-            plan = self._plans[layouts] = (full, torch.tensor([at[i] for i in items], dtype=torch.long,
-                                                               device=rows.device))
-        full, where = plan
+            plan = self._plans[layouts] = ([key for _, key, _ in full], np.array([rel for rel, _, _ in full]),
+                                           torch.tensor([at[i] for i in items], dtype=torch.long, device=rows.device))
+        full, rel, where = plan
         out = torch.tensor(empty_row()[:rows.shape[1]], dtype=rows.dtype, device=rows.device).repeat(len(full), 1)
         out[where] = rows
-        last = int(steps.max()) if len(steps) else 0
-        return [key for _, key, _ in full], np.array([last + rel for rel, _, _ in full], dtype=steps.dtype), out
+        return list(full), (rel + last).astype(steps.dtype), out
 
     def spread(self) -> torch.Tensor | None:
         return None
