@@ -57,16 +57,14 @@ def _no_op(*args: Any, **kwargs: Any) -> None:
 def norm_not_comparable(engine: Any) -> str | None:
     """Why `engine.get_global_grad_norm()` is not the norm of the gradients the monitor merges
     (None: it is). With model parallelism (`engine.mpu`) it covers the model-parallel ranks, the
-    merge the data-parallel group only (a PipelineEngine's merge covers all its ranks). DeepSpeed 0.19.8's ZeRO-0 fp16/bf16 wrapper
-    (`FP16_UnfusedOptimizer`) leaves the MoE experts' gradients out of it (its `_global_grad_norm`
-    is the non-expert groups' norm), whatever the expert-parallel size; ZeRO-1/2 and
-    `BF16_Optimizer` include them."""
+    merge the data-parallel group only; a PipelineEngine's `mpu` is its grid, and both cover every
+    stage. DeepSpeed 0.19.8's ZeRO-0 fp16/bf16 wrapper (`FP16_UnfusedOptimizer`) leaves the MoE
+    experts' gradients out of it (its `_global_grad_norm` is the non-expert groups' norm), whatever
+    the expert-parallel size; ZeRO-1/2 and `BF16_Optimizer` include them."""
     from deepspeed.moe.utils import is_moe_param
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    # a PipelineEngine's mpu is its grid: its norm covers every stage, as the monitor's merge does
     if engine.mpu is not None and not isinstance(engine, PipelineEngine):
         return "DeepSpeed's grad norm covers the model-parallel ranks, the monitor's only this rank's part"
     if isinstance(engine.optimizer, FP16_UnfusedOptimizer) and any(map(is_moe_param, engine.module.parameters())):
@@ -103,16 +101,18 @@ class EngineHooks:
         # a PipelineEngine runs its schedule inside train_batch, where `_take_model_step` is the
         # optimizer step and the last stage's losses are kept (`pipeline.last_stage_losses`)
         self.pipeline = isinstance(engine, PipelineEngine)
-        self._wrapped = {"_take_model_step": "step"} if self.pipeline else {"backward": "backward", "step": "step"}
-        self._backward, self._step = engine.backward, getattr(engine, next(reversed(self._wrapped)))
-        for theirs, ours in self._wrapped.items():
-            setattr(engine, theirs, getattr(self, ours))
+        step = "_take_model_step" if self.pipeline else "step"
+        self._backward, self._step = engine.backward, getattr(engine, step)
+        #: the engine's methods replaced on the instance, by name
+        self._wrapped = {step: self.step} if self.pipeline else {"backward": self.backward, step: self.step}
+        for name, wrapper in self._wrapped.items():
+            setattr(engine, name, wrapper)
 
     def remove(self) -> None:
         """Give the engine its own methods back."""
-        for theirs, ours in self._wrapped.items():
-            if self.engine.__dict__.get(theirs) == getattr(self, ours):
-                del self.engine.__dict__[theirs]
+        for name, wrapper in self._wrapped.items():
+            if self.engine.__dict__.get(name) == wrapper:
+                del self.engine.__dict__[name]
 
     # ---- the wrappers ---------------------------------------------------------------
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
