@@ -56,7 +56,7 @@ links DeepSpeed's own `safe_get_full_*` helpers use; ZeRO-0 fp16/bf16
 `ep_group_name`, `num_local_experts`), `experts.deepspeed_experts`,
 `deepspeed.utils.groups._get_expert_data_parallel_group`, `deepspeed.moe.utils.is_moe_param`;
 `PipelineEngine`: `_take_model_step`, `fwd_outputs`, `is_last_stage()`,
-`grid.get_slice_parallel_world_size()`.
+`grid.get_slice_parallel_world_size()`, `module.tied_modules`.
 
 Not supported: a `PipelineEngine` with a model-parallel dimension (an error), optimizer wrappers
 other than those above (a warning; activations and loss are still monitored).
@@ -123,6 +123,10 @@ class DeepSpeedMonitor(Integration):
         if engine.mpu is not None and not pipeline:
             monitor.warn("model parallelism is set: statistics are merged over the data-parallel group "
                          "only; set per_rank: true to keep every model-parallel rank's records")
+        if pipeline and len(engine.module.tied_modules):
+            monitor.warn("PipelineModule with tied layers (TiedLayerSpec): the rows of tied_modules.* merge "
+                         "every stage's copy (parameters counted once per stage holding them, the activations "
+                         "of each use in one row)")
         if pipeline and config.per_rank and reducer.world > 1:
             monitor.warn("per_rank under a PipelineEngine: each rank's own activation and loss rows of the "
                          "layers other stages hold are empty (numel 0, min/max/mean nan)")
