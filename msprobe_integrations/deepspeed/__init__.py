@@ -56,7 +56,7 @@ links DeepSpeed's own `safe_get_full_*` helpers use; ZeRO-0 fp16/bf16
 `ep_group_name`, `num_local_experts`), `experts.deepspeed_experts`,
 `deepspeed.utils.groups._get_expert_data_parallel_group`, `deepspeed.moe.utils.is_moe_param`;
 `PipelineEngine`: `_take_model_step`, `fwd_outputs`, `is_last_stage()`,
-`grid.get_slice_parallel_world_size()`, `module.tied_modules`.
+`grid.get_slice_parallel_world_size()`, `module.tied_modules`, `module.tied_comms` (`ranks`).
 
 Not supported: a `PipelineEngine` with a model-parallel dimension (an error), optimizer wrappers
 other than those above (a warning; activations and loss are still monitored).
@@ -98,9 +98,9 @@ class DeepSpeedMonitor(Integration):
         from msprobe_integrations.deepspeed.experts import EXPERT_MODULES, expert_layers
         from msprobe_integrations.deepspeed.hooks import EngineHooks, norm_not_comparable
         from msprobe_integrations.deepspeed.merge import RankMerge
-        from msprobe_integrations.deepspeed.pipeline import PipelineMerge
+        from msprobe_integrations.deepspeed.pipeline import PipelineMerge, tied_copies
         from msprobe_integrations.deepspeed.routers import attach_gates
-        from msprobe_integrations.deepspeed.shards import shard_reader
+        from msprobe_integrations.deepspeed.shards import Placed, shard_reader
 
         config = load_config(config if config is not None else ds_config_block(engine))
         distributed = dist.is_initialized()
@@ -124,9 +124,8 @@ class DeepSpeedMonitor(Integration):
             monitor.warn("model parallelism is set: statistics are merged over the data-parallel group "
                          "only; set per_rank: true to keep every model-parallel rank's records")
         if pipeline and len(engine.module.tied_modules):
-            monitor.warn("PipelineModule with tied layers (TiedLayerSpec): the rows of tied_modules.* merge "
-                         "every stage's copy (parameters counted once per stage holding them, the activations "
-                         "of each use in one row)")
+            monitor.warn("PipelineModule with tied layers (TiedLayerSpec): the activation rows of "
+                         "tied_modules.* merge every stage's uses of the layer in one row")
         if pipeline and config.per_rank and reducer.world > 1:
             monitor.warn("per_rank under a PipelineEngine: each rank's own activation and loss rows of the "
                          "layers other stages hold are empty (numel 0, min/max/mean nan)")
@@ -134,6 +133,8 @@ class DeepSpeedMonitor(Integration):
         if other_norm and any(rule.rule == "misreported_grad_norm" for rule in config.alerts):
             monitor.warn(f"misreported_grad_norm: {other_norm}; it is not checked")
         reader = shard_reader(engine, dp_rank, dp_world, monitor.warn, layers)
+        if pipeline and reader is not None:  # a tied layer's parameters: measured on its first stage
+            reader = Placed(reader, reader.names, tied_copies(engine, reader.names))
         monitor.add_attachment(ModuleHooks(monitor, engine.module), EngineHooks(monitor, engine, reader),
                                *attach_gates(monitor, engine.module), *attach_routers(monitor, engine.module))
         if engine_monitor:

@@ -81,6 +81,21 @@ class PipelineMerge(RankMerge):
         return None
 
 
+def tied_copies(engine, names: Sequence[str]) -> list[int | None]:
+    """For each parameter name, its position, or None where it is a tied layer's copy
+    (`TiedLayerSpec`, `tied_modules.<key>.*`) that an earlier stage holds too: DeepSpeed keeps the
+    copies equal (their gradients summed, `_exec_reduce_tied_grads`), so the first stage's is the
+    one measured."""
+    comms = engine.module.tied_comms
+    me = dist.get_rank()
+
+    def elsewhere(name: str) -> bool:
+        key = name.split(".")[1] if name.startswith("tied_modules.") else None
+        return key in comms and comms[key]["ranks"][0] != me
+
+    return [None if elsewhere(name) else at for at, name in enumerate(names)]
+
+
 def last_stage_losses(engine) -> list[torch.Tensor]:
     """The micro-batches' detached losses of this `train_batch` (the last stage's; none elsewhere)."""
     if not engine.is_last_stage():
