@@ -21,6 +21,12 @@ class Reducer:
         same keys in the same order on every rank; one collective per group."""
         raise NotImplementedError
 
+    def complete(self, keys: list["MetricKey"], steps: Any, rows: Any) -> tuple[list["MetricKey"], Any, Any]:
+        """Before `merge`: (keys, steps, rows) with the rows only other ranks measured added as
+        empty rows (the merge's identity), so that every rank merges one layout (ranks holding
+        different layers: pipeline stages). By default as they are."""
+        return keys, steps, rows
+
     def spread(self) -> Any:
         """After `merge`: the spread of the per-rank scalars over the data-parallel group
         (`stats.ranks`) as rows of kind `ranks.KIND` in `ranks.NAMES` order, on the device, which

@@ -282,8 +282,6 @@ def enable_fp16_on_cpu() -> None:
 
 def bad_input(out: Path) -> dict[str, str]:
     """Engines the integration can only partly monitor: what it says about them."""
-    import deepspeed
-
     from msprobe_integrations.deepspeed import DeepSpeedMonitor
 
     said = {}
@@ -297,14 +295,6 @@ def bad_input(out: Path) -> dict[str, str]:
     train(engine, 0, 1, steps=1)
     monitor.close()
     said["sgd"] = "\n".join(caught.messages)
-    pipe = deepspeed.pipe.PipelineModule(layers=[torch.nn.Linear(4, 4)], num_stages=1,
-                                         loss_fn=torch.nn.functional.mse_loss)
-    engine, *_ = deepspeed.initialize(model=pipe, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1),
-                                      config=ds_config(0, "fp32"))
-    try:
-        DeepSpeedMonitor(engine, config=monitor_config(out / "pipe"))
-    except NotImplementedError as exc:
-        said["pipeline"] = str(exc)
     return said
 
 

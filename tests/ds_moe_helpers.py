@@ -8,6 +8,7 @@ one expert's gate weight on that feature sends every token to that expert (a col
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -103,10 +104,19 @@ def run_all(rank: int, world: int, out: str) -> dict:
     return {"cases": run_cases(rank, world, str(Path(out) / "cases")), "layouts": run_layouts(rank, world, out)}
 
 
-def _summary(tensor: torch.Tensor) -> dict[str, float]:
+def summary(tensor: torch.Tensor) -> dict[str, float]:
+    """LAYOUT_STATS of a tensor, in float64 (the truth a monitored row is compared with)."""
     values = tensor.detach().double().reshape(-1)
     return {"min": values.min().item(), "max": values.max().item(), "mean": values.mean().item(),
             "norm": values.norm().item(), "numel": float(values.numel())}
+
+
+def close(got: dict, want: dict, tag: str, rtol: float = 1e-6) -> bool:
+    """Norms and counts within `rtol` of their value; min, max and mean within `rtol` of the
+    tensor's largest magnitude (a mean of values of both signs is a difference of rounded numbers)."""
+    base, _, stat = tag.rpartition("/")
+    scale = max(abs(want[f"{base}/min"]), abs(want[f"{base}/max"])) if stat in ("min", "max", "mean") else 0.0
+    return math.isclose(got[tag], want[tag], rel_tol=rtol, abs_tol=rtol * scale)
 
 
 def _local_truth(model: TinyMoE, optimizer, grads: bool) -> dict[str, float]:
@@ -122,7 +132,7 @@ def _local_truth(model: TinyMoE, optimizer, grads: bool) -> dict[str, float]:
             name = f"{EXPERTS_PATH}.{first + j}.{tail}"
             pieces = {f"grad/{name}": p.grad} if grads else {f"param/{name}": p,
                                                               f"optim/{name}/exp_avg": optimizer.state[p]["exp_avg"]}
-            out.update({f"{base}/{stat}": v for base, t in pieces.items() for stat, v in _summary(t).items()})
+            out.update({f"{base}/{stat}": v for base, t in pieces.items() for stat, v in summary(t).items()})
     return out
 
 

@@ -92,14 +92,6 @@ def _experts(metrics: dict) -> dict[str, float]:
     return {t: v for t, v in metrics.items() if t.split("/")[0] in ("grad", "param", "optim") and H.EXPERTS_PATH in t}
 
 
-def _close(got: dict, want: dict, tag: str) -> bool:
-    """Norms and counts within RTOL of their value; min, max and mean within RTOL of the tensor's
-    largest magnitude (a mean of values of both signs is a difference of rounded numbers)."""
-    base, _, stat = tag.rpartition("/")
-    scale = max(abs(want[f"{base}/min"]), abs(want[f"{base}/max"])) if stat in ("min", "max", "mean") else 0.0
-    return math.isclose(got[tag], want[tag], rel_tol=RTOL, abs_tol=RTOL * scale)
-
-
 def test_every_rank_reports_every_expert_under_its_global_number(layouts):
     for case, ranks in layouts.items():
         first, second = ([m for _, m, _ in rank["records"]] for rank in ranks)
@@ -118,7 +110,7 @@ def test_per_expert_statistics_equal_in_both_layouts_and_stages(layouts):
     for case in ("zero0-ep2", "zero2-ep1", "zero2-ep2"):
         for (_, got, _), want in zip(layouts[case][0]["records"], reference):
             assert set(_experts(got)) == set(_experts(want)), case
-            bad = [t for t in _experts(want) if not _close(got, want, t)]
+            bad = [t for t in _experts(want) if not H.close(got, want, t, RTOL)]
             assert not bad, (case, bad[:5])
 
 
@@ -128,7 +120,7 @@ def test_per_expert_statistics_equal_the_experts_tensors_on_the_rank_holding_the
         for step, (_, got, _) in enumerate(ranks[0]["records"]):
             truth = {t: v for rank in ranks for t, v in rank["truth"][step].items()}
             assert len(truth) == H.EXPERTS * 4 * 3 * len(H.LAYOUT_STATS)  # experts x tensors x kinds x stats
-            bad = [t for t in truth if not _close(got, truth, t)]
+            bad = [t for t in truth if not H.close(got, truth, t, RTOL)]
             assert not bad, (case, step, bad[:5])
 
 

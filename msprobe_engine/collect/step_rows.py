@@ -106,6 +106,7 @@ class StepRows:
         spread = None
         if merge and reducer is not None:
             self.own.append((list(keys), steps, rows))
+            keys, steps, rows = reducer.complete(keys, steps, rows)
             rows = reducer.merge(keys, rows)
             spread = reducer.spread()
         if spread is not None:  # travels with the rows, to this transfer's last step

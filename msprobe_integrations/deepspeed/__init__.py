@@ -29,6 +29,13 @@ statistics over the data-parallel group (`msprobe_integrations.deepspeed.merge`)
 no full parameter is gathered. Rank 0 writes the merged run; with
 `per_rank: true` every rank writes its own (its own loss and activations).
 
+A `PipelineEngine` (`engine.train_batch(data_iter)`, pipeline x data parallel): one monitored step per
+`train_batch`, a micro-step per micro-batch; each stage measures its own layers, named by the
+`PipelineModule`'s global layer index (`2.weight` on whichever stage holds layer 2), around the
+schedule's optimizer step; the loss is the last stage's. Every rank's rows are completed with empty
+placeholders of the other stages' and merged over all the pipeline's ranks (`pipeline`), so every rank
+holds the whole model's statistics and rank 0 writes them.
+
 Alert actions are applied in `engine.step()` (`hooks.EngineHooks`): `skip` runs DeepSpeed's
 step with the torch optimizer's and lr scheduler's `step` as no-ops, `stop` raises
 `TrainingStopped` before it; fp16 overflow steps are screened out of the decision.
@@ -47,9 +54,11 @@ links DeepSpeed's own `safe_get_full_*` helpers use; ZeRO-0 fp16/bf16
 (`FP16_UnfusedOptimizer`): `fp16_groups` / `fp32_groups`; MoE: `deepspeed.moe.sharded_moe.TopKGate`
 (`wg`, `k`, `drop_tokens`, and what its forward returns), `MOELayer` (`ep_size`, `ep_group`,
 `ep_group_name`, `num_local_experts`), `experts.deepspeed_experts`,
-`deepspeed.utils.groups._get_expert_data_parallel_group`, `deepspeed.moe.utils.is_moe_param`.
+`deepspeed.utils.groups._get_expert_data_parallel_group`, `deepspeed.moe.utils.is_moe_param`;
+`PipelineEngine`: `_take_model_step`, `fwd_outputs`, `is_last_stage()`,
+`grid.get_slice_parallel_world_size()`, `module.tied_modules`, `module.tied_comms` (`ranks`).
 
-Not supported: pipeline engines (`PipelineEngine`, an error), optimizer wrappers
+Not supported: a `PipelineEngine` with a model-parallel dimension (an error), optimizer wrappers
 other than those above (a warning; activations and loss are still monitored).
 """
 from __future__ import annotations
@@ -81,6 +90,7 @@ class DeepSpeedMonitor(Integration):
                  start_step: int | None = None) -> None:
         _check_engine(engine)
         import torch.distributed as dist
+        from deepspeed.runtime.pipe.engine import PipelineEngine
 
         from msprobe_engine.frameworks.torch import backend as torch_backend
         from msprobe_engine.frameworks.torch.module_hooks import ModuleHooks
@@ -88,14 +98,18 @@ class DeepSpeedMonitor(Integration):
         from msprobe_integrations.deepspeed.experts import EXPERT_MODULES, expert_layers
         from msprobe_integrations.deepspeed.hooks import EngineHooks, norm_not_comparable
         from msprobe_integrations.deepspeed.merge import RankMerge
+        from msprobe_integrations.deepspeed.pipeline import PipelineMerge, tied_copies
         from msprobe_integrations.deepspeed.routers import attach_gates
-        from msprobe_integrations.deepspeed.shards import shard_reader
+        from msprobe_integrations.deepspeed.shards import Placed, shard_reader
 
         config = load_config(config if config is not None else ds_config_block(engine))
         distributed = dist.is_initialized()
         group = getattr(engine, "seq_data_parallel_group", None) or engine.data_parallel_group
-        reducer = RankMerge(group, per_rank=config.per_rank)
-        layers = expert_layers(engine.module, reducer.world) if distributed else []
+        dp_rank, dp_world = (dist.get_rank(group), dist.get_world_size(group)) if distributed else (0, 1)
+        pipeline = isinstance(engine, PipelineEngine)
+        # a pipeline's stages hold different layers: merged over all its ranks (`pipeline`)
+        reducer = (PipelineMerge if pipeline else RankMerge)(None if pipeline else group, per_rank=config.per_rank)
+        layers = expert_layers(engine.module, dp_world) if distributed else []
         if layers:  # EP > 1: the experts' own activations are other ranks' tokens
             modules = dataclasses.replace(config.modules, exclude_regex=[*config.modules.exclude_regex, EXPERT_MODULES])
             config = dataclasses.replace(config, modules=modules)
@@ -106,14 +120,21 @@ class DeepSpeedMonitor(Integration):
                           reducer=reducer, start_step=start_step)
         super().__init__(monitor)
         self.engine = engine
-        if engine.mpu is not None:
+        if engine.mpu is not None and not pipeline:
             monitor.warn("model parallelism is set: statistics are merged over the data-parallel group "
                          "only; set per_rank: true to keep every model-parallel rank's records")
+        if pipeline and len(engine.module.tied_modules):
+            monitor.warn("PipelineModule with tied layers (TiedLayerSpec): the activation rows of "
+                         "tied_modules.* merge every stage's uses of the layer in one row")
+        if pipeline and config.per_rank and reducer.world > 1:
+            monitor.warn("per_rank under a PipelineEngine: each rank's own activation and loss rows of the "
+                         "layers other stages hold are empty (numel 0, min/max/mean nan)")
         other_norm = norm_not_comparable(engine)
         if other_norm and any(rule.rule == "misreported_grad_norm" for rule in config.alerts):
             monitor.warn(f"misreported_grad_norm: {other_norm}; it is not checked")
-        reader = shard_reader(engine, dist.get_rank(group) if distributed else 0, reducer.world, monitor.warn,
-                              layers)
+        reader = shard_reader(engine, dp_rank, dp_world, monitor.warn, layers)
+        if pipeline and reader is not None:  # a tied layer's parameters: measured on its first stage
+            reader = Placed(reader, reader.names, tied_copies(engine, reader.names))
         monitor.add_attachment(ModuleHooks(monitor, engine.module), EngineHooks(monitor, engine, reader),
                                *attach_gates(monitor, engine.module), *attach_routers(monitor, engine.module))
         if engine_monitor:
@@ -155,6 +176,6 @@ def _check_engine(engine: Any) -> None:
         raise TypeError("DeepSpeedMonitor: expected the engine returned by deepspeed.initialize "
                         f"(a deepspeed.DeepSpeedEngine), got {type(engine).__module__}.{type(engine).__name__}; "
                         "for a plain torch model use msprobe_integrations.torch.TorchMonitor")
-    if isinstance(engine, PipelineEngine):
-        raise NotImplementedError("DeepSpeedMonitor: pipeline-parallel engines (PipelineEngine, "
-                                  "engine.train_batch) are not supported yet; nothing would be monitored")
+    if isinstance(engine, PipelineEngine) and engine.grid.get_slice_parallel_world_size() > 1:
+        raise NotImplementedError("DeepSpeedMonitor: a PipelineEngine with a model-parallel dimension in its "
+                                  "topology is not supported (only pipeline x data parallel)")

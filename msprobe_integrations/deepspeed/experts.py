@@ -4,7 +4,7 @@ With `MoE(num_experts=E, ep_size=P)` each rank of an expert-parallel group holds
 the layer, `<layer>.deepspeed_moe.experts.deepspeed_experts.<j>`. They are named here by their global
 number, `ep_rank * num_local_experts + j`, as DeepSpeed's own MoE checkpoints name them
 (`DeepSpeedEngine._save_moe_checkpoint`). The step's rows are merged with one pair of all-reduces over
-the data-parallel group, which needs the same rows on every rank: `GlobalExperts` puts an empty
+the data-parallel group, which needs the same rows on every rank: `shards.Placed` puts an empty
 tensor (the merge's identity) in place of each expert another rank holds. The data-parallel group
 is the grid of the expert-data-parallel group (ranks holding the same experts) and the
 expert-parallel group, and every piece a rank measures is its own (a ZeRO fragment of the expert,

@@ -7,6 +7,10 @@
                            applied, parameters and optimizer state, DeepSpeed's own global
                            grad norm (`report_grad_norm`), `step_end`.
 
+A `PipelineEngine` runs its schedule inside `train_batch`: its optimizer step
+`_take_model_step` is wrapped in place of `engine.step` (the same before/after), `backward` is not,
+and the losses are the last stage's micro-batch losses the engine keeps (`pipeline.last_stage_losses`).
+
 The monitor's decision is applied here. `skip`: DeepSpeed's step runs with the wrapped torch
 optimizer's `step` and the lr scheduler's `step` made no-ops for that one call (instance
 attributes, removed right after), so every ZeRO stage copies its unchanged fp32 masters back
@@ -37,6 +41,7 @@ from msprobe_engine.health import LOSS_SCALE
 from msprobe_engine.incident.actions import TrainingStopped
 from msprobe_engine.stats.table import MetricKey, StatTable
 from msprobe_engine.steps.overflow import SCALED_KINDS, overflowed, without_scaled
+from msprobe_integrations.deepspeed.pipeline import last_stage_losses
 from msprobe_integrations.deepspeed.shards import ShardReader
 
 if TYPE_CHECKING:
@@ -52,14 +57,15 @@ def _no_op(*args: Any, **kwargs: Any) -> None:
 def norm_not_comparable(engine: Any) -> str | None:
     """Why `engine.get_global_grad_norm()` is not the norm of the gradients the monitor merges
     (None: it is). With model parallelism (`engine.mpu`) it covers the model-parallel ranks, the
-    merge the data-parallel group only. DeepSpeed 0.19.8's ZeRO-0 fp16/bf16 wrapper
-    (`FP16_UnfusedOptimizer`) leaves the MoE experts' gradients out of it (its `_global_grad_norm`
-    is the non-expert groups' norm), whatever the expert-parallel size; ZeRO-1/2 and
-    `BF16_Optimizer` include them."""
+    merge the data-parallel group only; a PipelineEngine's `mpu` is its grid, and both cover every
+    stage. DeepSpeed 0.19.8's ZeRO-0 fp16/bf16 wrapper (`FP16_UnfusedOptimizer`) leaves the MoE
+    experts' gradients out of it (its `_global_grad_norm` is the non-expert groups' norm), whatever
+    the expert-parallel size; ZeRO-1/2 and `BF16_Optimizer` include them."""
     from deepspeed.moe.utils import is_moe_param
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    if engine.mpu is not None:
+    if engine.mpu is not None and not isinstance(engine, PipelineEngine):
         return "DeepSpeed's grad norm covers the model-parallel ranks, the monitor's only this rank's part"
     if isinstance(engine.optimizer, FP16_UnfusedOptimizer) and any(map(is_moe_param, engine.module.parameters())):
         return "DeepSpeed's ZeRO-0 fp16/bf16 grad norm leaves out the MoE experts' gradients"
@@ -70,6 +76,8 @@ class EngineHooks:
     """Reads one DeepSpeed engine's gradients, parameters and optimizer state per optimizer step."""
 
     def __init__(self, monitor: "Monitor", engine: Any, reader: ShardReader | None) -> None:
+        from deepspeed.runtime.pipe.engine import PipelineEngine
+
         self.monitor = monitor
         self.engine = engine
         self.reader = reader
@@ -90,13 +98,20 @@ class EngineHooks:
         self._overflow = False
         self._before: list[torch.Tensor] | None = None
         self._losses: list[torch.Tensor] = []
-        self._backward, self._step = engine.backward, engine.step
-        engine.backward, engine.step = self.backward, self.step
+        # a PipelineEngine runs its schedule inside train_batch, where `_take_model_step` is the
+        # optimizer step and the last stage's losses are kept (`pipeline.last_stage_losses`)
+        self.pipeline = isinstance(engine, PipelineEngine)
+        step = "_take_model_step" if self.pipeline else "step"
+        self._backward, self._step = engine.backward, getattr(engine, step)
+        #: the engine's methods replaced on the instance, by name
+        self._wrapped = {step: self.step} if self.pipeline else {"backward": self.backward, step: self.step}
+        for name, wrapper in self._wrapped.items():
+            setattr(engine, name, wrapper)
 
     def remove(self) -> None:
         """Give the engine its own methods back."""
-        for name in ("backward", "step"):
-            if self.engine.__dict__.get(name) == getattr(self, name):
+        for name, wrapper in self._wrapped.items():
+            if self.engine.__dict__.get(name) == wrapper:
                 del self.engine.__dict__[name]
 
     # ---- the wrappers ---------------------------------------------------------------
@@ -123,6 +138,8 @@ class EngineHooks:
         """Measure what is final before the step, then decide: True to skip the step."""
         monitor, reader = self.monitor, self.reader
         losses, self._losses = self._losses, []
+        if self.pipeline:
+            losses = last_stage_losses(self.engine)
         self._overflow = False
         if monitor.active and losses:  # the step's micro-batch losses, measured at once
             with monitor.guard("DeepSpeed loss"):

@@ -148,9 +148,11 @@ class Stage3Reader(ShardReader):
         return [self.empty if t is None else t.reshape(-1)[:n] for t, n in zip(pieces, self._valid)]
 
 
-class GlobalExperts(ShardReader):
-    """Another reader's pieces with every expert of each expert-parallel MoE layer listed under its
-    global name, an empty piece where another rank holds it (`experts.global_names`)."""
+class Placed(ShardReader):
+    """Another reader's pieces under other `names`, `index[i]` the position of name i's piece in
+    it, None for an empty piece (a tensor another rank measures): every expert of each
+    expert-parallel MoE layer under its global name (`experts.global_names`), or a pipeline's
+    tied layers measured on one stage only (`pipeline.tied_copies`)."""
 
     def __init__(self, reader: ShardReader, names: Sequence[str], index: Sequence[int | None]) -> None:
         self.reader = reader
@@ -195,11 +197,11 @@ def balanced_owners(numels: Sequence[int], world: int) -> list[int]:
 def shard_reader(engine, rank: int, world: int, warn: Callable[[str], None],
                  layers: Sequence[ExpertLayer] = ()) -> ShardReader | None:
     """The reader for this engine's optimizer, or None (with a warning saying what is lost); with
-    expert-parallel MoE `layers`, under global expert names (`GlobalExperts`)."""
+    expert-parallel MoE `layers`, under global expert names (`Placed`)."""
     reader = _local_reader(engine, rank, world, warn, layers)
     if reader is None or not layers:
         return reader
-    return GlobalExperts(reader, *global_names(reader.names, layers))
+    return Placed(reader, *global_names(reader.names, layers))
 
 
 def _local_reader(engine, rank: int, world: int, warn: Callable[[str], None],
