@@ -180,15 +180,22 @@ def _entry_one():
     return function
 
 
+_loaded = False  # both entries loaded (a plain flag: `available` is asked once per measured batch)
+
+
 def available() -> bool:
     """Whether the kernel may be used now: enabled and loaded (built first with ``build``)."""
+    global _loaded
     if not ENABLED:
         return False
+    if _loaded:
+        return True
     try:
         _entry(), _entry_one()
     except Exception as exc:  # not packaged, no compiler, a compile error, a library that does not load
         _disable(f"the C kernel is unavailable ({type(exc).__name__}: {exc})")
         return False
+    _loaded = True
     return True
 
 
@@ -250,7 +257,7 @@ def measure(tensors: Sequence[torch.Tensor], count_zeros: bool) -> Optional[tupl
         return None
     parallel = torch.get_num_threads() > 1
     if len(tensors) == 1:  # a hook's one tensor
-        return ([0], rows(tensors, count_zeros)) if eligible(tensors[0], parallel) else None
+        return ([0], _row(tensors[0], count_zeros)) if eligible(tensors[0], parallel) else None
     positions = [pos for pos, tensor in enumerate(tensors) if eligible(tensor, parallel)]
     if not positions:
         return None
