@@ -52,8 +52,7 @@ class Measurer:
             rows = backend.pick([own[key] if prior is None else own.get(prior) or rows_waiting.last[prior]
                                  for key, prior in zip(keys, same)])
         if self.tensor_meta is not None:
-            meta = getattr(backend, "tensor_meta", tensor_meta)
-            self.tensor_meta.update((key, meta(t)) for key, t in zip(keys, tensors))
+            self.tensor_meta.update(zip(keys, map(getattr(backend, "tensor_meta", tensor_meta), tensors)))
         rows_waiting.add(self.clock.step, keys, rows, remember=bool(same), seconds=time.perf_counter() - started,
                          measured=len(measured))
 

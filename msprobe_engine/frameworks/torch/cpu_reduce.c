@@ -206,3 +206,9 @@ void msprobe_cpu_rows(int64_t count, const int64_t *table, int32_t count_zeros, 
         row[7] = (double)n;
     }
 }
+
+/* One tensor's row (the one-tensor call of a hook: no lookup table to build). */
+void msprobe_cpu_row(int64_t address, int64_t numel, int64_t dtype, int32_t count_zeros, double *out) {
+    const int64_t table[3] = {address, numel, dtype};
+    msprobe_cpu_rows(1, table, count_zeros, out);
+}
