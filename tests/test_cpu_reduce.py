@@ -183,25 +183,66 @@ def test_ranks_building_at_once_compile_once_and_the_compiler_is_in_the_key(tmp_
     assert other["available"] and len(list(tmp_path.glob("cpu_reduce-*.so"))) == 2
 
 
-@pytest.mark.slow
-def test_the_wheel_carries_the_built_kernel_and_loads_it_with_no_compiler_on_path(tmp_path):
-    """`pip wheel` compiles the kernel into the package (setup.py); installed from the wheel, it
-    loads with no compiler anywhere and no cache written."""
-    wheels = tmp_path / "wheels"
+#: a user's HF Trainer script, run from the installed wheel outside this repository
+HF_SCRIPT = r"""
+import json, torch, msprobe_integrations
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from msprobe_integrations.hf import MonitorCallback
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
+data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (12, 16))]
+args = TrainingArguments("hf_out", max_steps=3, per_device_train_batch_size=4, report_to=[], use_cpu=True)
+callback = MonitorCallback(config="full")
+Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
+history = callback.monitor.history
+print(json.dumps({"package": msprobe_integrations.__file__, "steps": [r.step for r in history],
+                  "activations": sum(k.startswith("actv/") for k in history[-1].metrics)}))
+"""
+
+
+@pytest.fixture(scope="module")
+def wheel_site(tmp_path_factory) -> Path:
+    """The package as `pip wheel` builds it (setup.py compiles the kernel into it), unpacked."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    wheels = tmp / "wheels"
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-q",
                            "-w", str(wheels), str(ROOT)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    site = tmp_path / "site"
+    site = tmp / "site"
     [wheel] = wheels.glob("*.whl")
     zipfile.ZipFile(wheel).extractall(site)
-    assert list((site / "msprobe_engine" / "frameworks" / "torch").glob("_cpu_reduce*.so"))
+    return site
+
+
+def run_installed(site: Path, script: str, tmp_path: Path) -> dict:
+    """`script` run outside this repository with the unpacked wheel first on the path and no
+    compiler anywhere (PATH empty); its last stdout line as JSON."""
     env = {"PATH": str(tmp_path / "empty"), "HOME": str(tmp_path), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(site), "MSPROBE_CACHE_DIR": str(tmp_path / "cache")}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
+           "PYTHONPATH": str(site), "MSPROBE_CACHE_DIR": str(tmp_path / "cache"), "HF_HOME": str(tmp_path / "hf"),
+           "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                           timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_the_wheel_carries_the_built_kernel_and_loads_it_with_no_compiler_on_path(wheel_site, tmp_path):
+    """Installed from the wheel, the kernel loads with no compiler anywhere and no cache written."""
+    assert list((wheel_site / "msprobe_engine" / "frameworks" / "torch").glob("_cpu_reduce*.so"))
+    result = run_installed(wheel_site, SCRIPT, tmp_path)
     assert result["available"] and result["measured"] and result["max"] == result["want"], result
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.slow
+def test_an_hf_trainer_script_runs_from_the_wheel_with_the_shipped_config_by_name(wheel_site, tmp_path):
+    """README's way in, outside this repository: `MonitorCallback(config="full")` finds the config
+    inside the installed package, and the run is written where full.yaml says (./msprobe_output)."""
+    result = run_installed(wheel_site, HF_SCRIPT, tmp_path)
+    assert Path(result["package"]).is_relative_to(wheel_site), result
+    assert result["steps"] == [1, 2, 3] and result["activations"] > 0, result
+    assert list((tmp_path / "msprobe_output").rglob("*.jsonl")), sorted(map(str, tmp_path.rglob("*")))
     assert not (tmp_path / "cache").exists()
 
 
