@@ -76,7 +76,10 @@ def faults_in(root: torch.nn.Module, nans: set[int], spikes: set[int], overflows
               ) -> list[FaultAt]:
     """nan in `LAYER`'s output on the steps of `nans`; the final norm's output (the logits'
     scale: a loss spike) times 100 on the steps of `spikes`; `LAYER`'s output gradient inf on
-    the steps of `overflows` (a loss-scaled backward's overflow)."""
+    the steps of `overflows` (a loss-scaled backward's overflow). None when no step is given: a
+    counting hook compiled into a model would recompile it at every forward (a Python counter)."""
+    if not (nans or spikes or overflows):
+        return []
     faults = [FaultAt(root, root.get_submodule(LAYER), set(nans)),
               FaultAt(root, root.get_submodule("transformer.ln_f"), set(spikes), scale=100.0)]
     if overflows:
