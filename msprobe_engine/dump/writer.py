@@ -4,7 +4,8 @@ Everything of ``step{N}/rank{R}/`` (tensor files, dump.json, stack.json, constru
 first written into the hidden directory ``step{N}/.rank{R}.partial/`` and then renamed into
 place: a crash at any moment leaves either a complete rank directory or none (the reader
 ignores ``.partial`` directories). The rename happens only when every file the step's
-dump.json lists was written whole (its size on disk is what was written); a write that failed
+dump.json lists was written whole (a JSON file: its size on disk is what was written; a tensor
+file: its saver returned without an error and the file was on disk right after); a write that failed
 (full disk, file-size limit) makes `commit` raise `StepIncomplete`, and the session drops the
 step and removes its ``.partial`` directory. Files are not synced (no ``fsync``): a process that
 dies leaves what it wrote in the page cache, which the kernel writes back; syncing would make
