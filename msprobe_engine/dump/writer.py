@@ -4,7 +4,8 @@ Everything of ``step{N}/rank{R}/`` (tensor files, dump.json, stack.json, constru
 first written into the hidden directory ``step{N}/.rank{R}.partial/`` and then renamed into
 place: a crash at any moment leaves either a complete rank directory or none (the reader
 ignores ``.partial`` directories). The rename happens only when every file the step's
-dump.json lists was written whole (its size on disk is what was written); a write that failed
+dump.json lists was written whole (a JSON file: its size on disk is what was written; a tensor
+file: its saver returned without an error and the file was on disk right after); a write that failed
 (full disk, file-size limit) makes `commit` raise `StepIncomplete`, and the session drops the
 step and removes its ``.partial`` directory. Files are not synced (no ``fsync``): a process that
 dies leaves what it wrote in the page cache, which the kernel writes back; syncing would make
@@ -158,11 +159,11 @@ def write_file(path: Path, text: str | bytes) -> None:
     _check_size(path, len(data))
 
 
-def save_whole(save: Callable[[Any, str], None], value: Any, path: Path) -> int:
-    """`save(value, path)` into a new file; its size on disk. The saver opens the file itself
-    (torch.save's C++ writer: no Python file object copying every record) and raises when a
-    write falls short (full disk, file-size limit)."""
-    save(value, str(path))
+def save_whole(save: Callable[[Any, str], None], value: Any, path: str) -> int:
+    """`save(value, path)` into a new file; its size on disk (read once, right after the write).
+    The saver opens the file itself (torch.save's C++ writer: no Python file object copying every
+    record) and raises when a write falls short (full disk, file-size limit)."""
+    save(value, path)
     return os.stat(path).st_size
 
 
@@ -228,6 +229,7 @@ class StepFiles:
         self.failure: str | None = None
         #: tensor files written so far: data_name -> bytes
         self.sizes: dict[str, int] = {}
+        self._tensor_dir: str | None = None  # tensor_dir as a string, once made
 
     @property
     def tensor_dir(self) -> Path:
@@ -248,11 +250,13 @@ class StepFiles:
             return
         try:
             self._prepare()
-            if save is not None:
+            if save is not None and self._tensor_dir is None:
                 self.tensor_dir.mkdir(exist_ok=True)
+                self._tensor_dir = str(self.tensor_dir)
             for slot, tensor in items:
                 if save is not None and slot.data_name is not None:
-                    self.sizes[slot.data_name] = save_whole(save, tensor, self.tensor_dir / slot.data_name)
+                    path = os.path.join(self._tensor_dir, slot.data_name)
+                    self.sizes[slot.data_name] = save_whole(save, tensor, path)
                 if checksum is not None:
                     slot.md5 = checksum(tensor)
         except Exception as exc:
@@ -284,14 +288,12 @@ class StepFiles:
         return self.final
 
     def _check_listed(self, data: dict[str, Any]) -> None:
-        """Every data_name of the step's entries is a file written whole."""
+        """Every data_name of the step's entries is a file written whole: saved without an error
+        and found on disk right after (`sizes`; its size is not read a second time)."""
         for ref in iter_dump_tensors({"data": data}):
             name = ref.record.get("data_name")
-            if name is None:
-                continue
-            if name not in self.sizes:
+            if name is not None and name not in self.sizes:
                 raise StepIncomplete(f"{ref.entry} {ref.label}: {name} was not written")
-            _check_size(self.tensor_dir / name, self.sizes[name])
 
     def discard(self) -> None:
         """Remove the files of a dropped step (on the writer thread, or after it stopped), and
