@@ -18,8 +18,9 @@ Printed: one table per model, then, as the LAST line, one JSON object:
 `--compiled` [--configs ...]: every model compiled in place (`model.compile()`, inductor), one
 process per mode (a second instance in a process would reuse the first one's graphs), a `none`
 process beside each config's, the two stepped in turn (rounds interleaved, the order rotated);
-ratio = ours over that `none`; the graph breaks and graphs of each first step are reported too
-(docs/compile.md). The predecessor and the floors are not run compiled.
+ratio = ours over that `none` (wall clock; `cpu_ratio`: the processes' CPU time); the graph
+breaks and graphs of each first step are reported too (docs/compile.md). The predecessor and
+the floors are not run compiled.
 """
 from __future__ import annotations
 
@@ -98,7 +99,8 @@ def worker(model_name: str, modes: list[str], steps: int, warmup: int) -> dict[s
 
 def serve(model_name: str, mode_name: str) -> None:
     """One mode of one compiled model, stepped on request (`--serve`): prints its first step's graph
-    breaks and graphs as JSON, then the seconds of one step for each "step" line read from stdin."""
+    breaks and graphs as JSON, then the seconds of one step (wall clock, then the process's CPU time)
+    for each "step" line read from stdin."""
     import logging
 
     import torch
@@ -127,15 +129,16 @@ def serve(model_name: str, mode_name: str) -> None:
     for line in sys.stdin:
         if line.strip() != "step":
             break
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         mode.run(step)
-        print(time.perf_counter() - start, flush=True)
+        print(time.perf_counter() - start, time.process_time() - cpu, flush=True)
     mode.close()
 
 
 def run_interleaved(model: str, modes: list[str], steps: int, warmup: int) -> dict[str, float]:
     """Each mode in a process of its own (`serve`), stepped in turn, the order rotated every round:
-    the median seconds of each, and its first step's graph breaks and graphs."""
+    the median seconds of each (wall clock; `<mode>:cpu` its process's CPU time), and its first
+    step's graph breaks and graphs."""
     procs = {m: subprocess.Popen([sys.executable, __file__, "--serve", model, "--modes", m], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, text=True) for m in modes}
     result: dict[str, float] = {}
@@ -145,15 +148,16 @@ def run_interleaved(model: str, modes: list[str], steps: int, warmup: int) -> di
             if not line:
                 raise RuntimeError(f"{model} {m}: the worker exited (exit {proc.wait()})")
             result.update({f"{m}:{k}": v for k, v in json.loads(line).items()})
-        times: dict[str, list[float]] = {m: [] for m in modes}
+        times: dict[str, list[float]] = {key: [] for m in modes for key in (m, f"{m}:cpu")}
         for i in range(warmup + steps):
             shift = i % len(modes)
             for m in modes[shift:] + modes[:shift]:
                 procs[m].stdin.write("step\n")
                 procs[m].stdin.flush()
-                seconds = float(procs[m].stdout.readline())
+                wall, cpu = map(float, procs[m].stdout.readline().split())
                 if i >= warmup:
-                    times[m].append(seconds)
+                    times[m].append(wall)
+                    times[f"{m}:cpu"].append(cpu)
     finally:
         for proc in procs.values():
             proc.stdin.close()
@@ -194,8 +198,9 @@ def summarise(model: str, medians: list[dict[str, float]]) -> dict:
 
 
 def summarise_compiled(model: str, medians: list[dict[str, float]], configs=CONFIGS) -> dict:
-    """Compiled: each config's ratio over its own process's compiled `none`, with the graph breaks
-    and graphs of the first step of each (without the tool / with ours)."""
+    """Compiled: each config's ratio over its own process's compiled `none` (wall clock, and
+    `cpu_ratio` of the processes' CPU time, which a loaded machine's waits for a core leave out),
+    with the graph breaks and graphs of the first step of each (without the tool / with ours)."""
     result = {}
     first = medians[0]
     print(f"== {model} compiled: no tool {first['none'] * 1e3:.1f} ms/step, "
@@ -203,10 +208,11 @@ def summarise_compiled(model: str, medians: list[dict[str, float]], configs=CONF
     for config, group in zip(configs, medians):
         ours = f"ours_{config}"
         ratio = round(group[ours] / group["none"], 3)
-        result[config] = {"ratio": ratio, "graph_breaks": group[f"{ours}:graph_breaks"],
+        cpu_ratio = round(group[f"{ours}:cpu"] / group["none:cpu"], 3)
+        result[config] = {"ratio": ratio, "cpu_ratio": cpu_ratio, "graph_breaks": group[f"{ours}:graph_breaks"],
                           "graphs": group[f"{ours}:graphs"], "graph_breaks_none": group["none:graph_breaks"],
                           "graphs_none": group["none:graphs"]}
-        print(f"  {config:16s} ours {ratio:6.3f}  graph breaks {group[f'{ours}:graph_breaks']}  "
+        print(f"  {config:16s} ours {ratio:6.3f}  cpu {cpu_ratio:6.3f}  graph breaks {group[f'{ours}:graph_breaks']}  "
               f"graphs {group[f'{ours}:graphs']}")
     return result
 
