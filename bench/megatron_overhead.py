@@ -26,7 +26,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # tests/megatron_helpers imports its sibling multiproc
+sys.path.insert(0, str(ROOT))
 
 from tests.multiproc import run_ranks  # noqa: E402
 

@@ -51,7 +51,7 @@ from megatron.core.rerun_state_machine import (RerunMode, destroy_rerun_state_ma
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from multiproc import free_port
+from tests.multiproc import free_port
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,9 @@ import contextlib
 import json
 import logging
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -471,3 +474,12 @@ def test_bad_input_is_named(single):
     assert "no optimizer: parameter gradients, weights and optimizer state are not monitored" in joined
     assert "trainable parameters are not updated by the optimizer" in joined
     assert "optimizer CustomOptimizer is not supported" in joined
+
+
+def test_the_helpers_import_with_only_the_repository_on_the_path():
+    """examples/megatron_train.py and bench/megatron_overhead.py import tests.megatron_helpers
+    outside pytest, which puts no tests/ directory on the path."""
+    env = {**os.environ, "PYTHONPATH": "", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", "import tests.megatron_helpers"], cwd=Path(__file__).parents[1],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
