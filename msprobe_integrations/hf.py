@@ -63,7 +63,7 @@ from transformers.trainer_callback import ExportableState
 
 from msprobe_engine.config import ConfigSource, load_config
 from msprobe_engine.contract import Integration
-from msprobe_engine.frameworks.torch.compiled_hooks import RunTimeCall, never_a_frame
+from msprobe_engine.frameworks.torch.compiled_hooks import RunTimeCall, is_compiled_wrapper, never_a_frame
 from msprobe_engine.incident.actions import TrainingStopped
 from msprobe_engine.monitor import Monitor
 from msprobe_engine.handles import Handles
@@ -203,8 +203,7 @@ class TrainerHooks(TrainerAdapter):
             from accelerate.state import GradientState
             self._gradient_state = GradientState()
             params = [(MetricKey("grad", n), p) for n, p in model.named_parameters() if p.requires_grad]
-            if compiled or isinstance(model, torch._dynamo.eval_frame.OptimizedModule) \
-                    or getattr(model, "_compiled_call_impl", None) is not None:
+            if compiled or is_compiled_wrapper(model) or getattr(model, "_compiled_call_impl", None) is not None:
                 # compiled (`torch_compile`): the forward hook runs traced, where a tensor hook on the
                 # output would sit on a traced copy: each gradient's own post-accumulate hook instead
                 handles.append(Handles([p.register_post_accumulate_grad_hook(partial(self._grad_hook, key))
