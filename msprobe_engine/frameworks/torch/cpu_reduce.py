@@ -171,12 +171,22 @@ def _library_handle() -> ctypes.CDLL:
 
 
 @functools.lru_cache(maxsize=None)
-def _entry():
-    """The C function `msprobe_cpu_rows` (many tensors, by a lookup table)."""
-    function = _library_handle().msprobe_cpu_rows
+def _table_entry(name: str):
+    """The C function `name` that reads tensors by a lookup table: (count, table, count_zeros, out)."""
+    function = getattr(_library_handle(), name)
     function.restype = None
     function.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p]
     return function
+
+
+def _entry():
+    """The C function `msprobe_cpu_rows` (many tensors, by a lookup table)."""
+    return _table_entry("msprobe_cpu_rows")
+
+
+def _entry_diff():
+    """The C function `msprobe_cpu_diff_rows` (differences of pairs, by a lookup table)."""
+    return _table_entry("msprobe_cpu_diff_rows")
 
 
 @functools.lru_cache(maxsize=None)
@@ -185,15 +195,6 @@ def _entry_one():
     function = _library_handle().msprobe_cpu_row
     function.restype = None
     function.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p]
-    return function
-
-
-@functools.lru_cache(maxsize=None)
-def _entry_diff():
-    """The C function `msprobe_cpu_diff_rows` (differences of pairs, by a lookup table)."""
-    function = _library_handle().msprobe_cpu_diff_rows
-    function.restype = None
-    function.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p]
     return function
 
 
