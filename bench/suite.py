@@ -13,14 +13,18 @@ Printed: one table per model, then, as the LAST line, one JSON object:
 "share_of_predecessor": {config: (ours - 1) / (pred - 1)}}, "load": [1, 5, 15 min]}``.
 
     OMP_NUM_THREADS=1 python bench/suite.py [--quick] [--models small_lm gpt2-1m ...]
-        [--steps N] [--warmup N] [--compiled]
+        [--steps N] [--warmup N] [--compiled [--configs ...] [--no-predecessor]]
 
 `--compiled` [--configs ...]: every model compiled in place (`model.compile()`, inductor), one
 process per mode (a second instance in a process would reuse the first one's graphs), a `none`
 process beside each config's, the two stepped in turn (rounds interleaved, the order rotated);
 ratio = ours over that `none` (wall clock; `cpu_ratio`: the processes' CPU time); the graph
-breaks and graphs of each first step are reported too (docs/compile.md). The predecessor and
-the floors are not run compiled.
+breaks and graphs of each first step are reported too (docs/compile.md). The predecessor's
+monitor (`pred_<config>`) runs compiled the same way, in a process of its own beside a `none` of
+its own (it patches torch globally); where it cannot, its error is reported instead of its ratio
+(`--no-predecessor` leaves it out). The floors are not run compiled. The last line's JSON is then
+``{model: {config: {"ours": {"ratio", "cpu_ratio", "graph_breaks", "graphs", ...}, "pred": {...}
+or {"error": ...}}}, "load": [...]}``.
 """
 from __future__ import annotations
 
@@ -46,6 +50,8 @@ MEDIUM = ("gpt2-20m", "llama-20m")
 OURS = [f"ours_{c}" for c in CONFIGS]
 FLOORS = [f"floor_{c}" for c in CONFIGS]
 LEVELS = ("L0", "L1", "mix")
+#: what starts a reply line of a `serve` process
+REPLY = "@@"
 
 
 def groups(model: str) -> list[list[str]]:
@@ -100,7 +106,8 @@ def worker(model_name: str, modes: list[str], steps: int, warmup: int) -> dict[s
 def serve(model_name: str, mode_name: str) -> None:
     """One mode of one compiled model, stepped on request (`--serve`): prints its first step's graph
     breaks and graphs as JSON, then the seconds of one step (wall clock, then the process's CPU time)
-    for each "step" line read from stdin."""
+    for each "step" line read from stdin; each reply on a line of its own after `REPLY` (the
+    predecessor logs to stdout too)."""
     import logging
 
     import torch
@@ -124,29 +131,40 @@ def serve(model_name: str, mode_name: str) -> None:
     mode = mode_lib.make(mode_name, model, optimizer, Path(tempfile.mkdtemp(prefix="msprobe-suite-")))
     counters = torch._dynamo.utils.counters
     mode.run(step)
-    print(json.dumps({"graph_breaks": sum(counters["graph_break"].values()),
-                      "graphs": counters["stats"]["unique_graphs"]}), flush=True)
+    print(REPLY, json.dumps({"graph_breaks": sum(counters["graph_break"].values()),
+                             "graphs": counters["stats"]["unique_graphs"]}), flush=True)
     for line in sys.stdin:
         if line.strip() != "step":
             break
         start, cpu = time.perf_counter(), time.process_time()
         mode.run(step)
-        print(time.perf_counter() - start, time.process_time() - cpu, flush=True)
+        print(REPLY, time.perf_counter() - start, time.process_time() - cpu, flush=True)
     mode.close()
+
+
+def _reply(proc: subprocess.Popen) -> str | None:
+    """The next reply of a `serve` process (other lines skipped), or None when it exited."""
+    for line in proc.stdout:
+        if line.startswith(REPLY):
+            return line[len(REPLY):]
+    return None
 
 
 def run_interleaved(model: str, modes: list[str], steps: int, warmup: int) -> dict[str, float]:
     """Each mode in a process of its own (`serve`), stepped in turn, the order rotated every round:
     the median seconds of each (wall clock; `<mode>:cpu` its process's CPU time), and its first
-    step's graph breaks and graphs."""
+    step's graph breaks and graphs. A worker that exits raises RuntimeError with its stderr's end."""
+    errors = {m: tempfile.TemporaryFile("w+") for m in modes}
     procs = {m: subprocess.Popen([sys.executable, __file__, "--serve", model, "--modes", m], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, text=True) for m in modes}
+                                 stdout=subprocess.PIPE, stderr=errors[m], text=True) for m in modes}
     result: dict[str, float] = {}
     try:
         for m, proc in procs.items():
-            line = proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"{model} {m}: the worker exited (exit {proc.wait()})")
+            line = _reply(proc)
+            if line is None:
+                code = proc.wait()
+                errors[m].seek(0)
+                raise RuntimeError(f"{model} {m}: the worker exited (exit {code}): {errors[m].read()[-1500:]}")
             result.update({f"{m}:{k}": v for k, v in json.loads(line).items()})
         times: dict[str, list[float]] = {key: [] for m in modes for key in (m, f"{m}:cpu")}
         for i in range(warmup + steps):
@@ -154,14 +172,15 @@ def run_interleaved(model: str, modes: list[str], steps: int, warmup: int) -> di
             for m in modes[shift:] + modes[:shift]:
                 procs[m].stdin.write("step\n")
                 procs[m].stdin.flush()
-                wall, cpu = map(float, procs[m].stdout.readline().split())
+                wall, cpu = map(float, _reply(procs[m]).split())
                 if i >= warmup:
                     times[m].append(wall)
                     times[f"{m}:cpu"].append(cpu)
     finally:
-        for proc in procs.values():
+        for m, proc in procs.items():
             proc.stdin.close()
             proc.wait()
+            errors[m].close()
     return {**result, **{m: statistics.median(t) for m, t in times.items()}}
 
 
@@ -197,24 +216,43 @@ def summarise(model: str, medians: list[dict[str, float]]) -> dict:
     return result
 
 
-def summarise_compiled(model: str, medians: list[dict[str, float]], configs=CONFIGS) -> dict:
-    """Compiled: each config's ratio over its own process's compiled `none` (wall clock, and
-    `cpu_ratio` of the processes' CPU time, which a loaded machine's waits for a core leave out),
-    with the graph breaks and graphs of the first step of each (without the tool / with ours)."""
-    result = {}
-    first = medians[0]
-    print(f"== {model} compiled: no tool {first['none'] * 1e3:.1f} ms/step, "
-          f"{first['none:graph_breaks']} graph breaks, {first['none:graphs']} graphs")
-    for config, group in zip(configs, medians):
-        ours = f"ours_{config}"
-        ratio = round(group[ours] / group["none"], 3)
-        cpu_ratio = round(group[f"{ours}:cpu"] / group["none:cpu"], 3)
-        result[config] = {"ratio": ratio, "cpu_ratio": cpu_ratio, "graph_breaks": group[f"{ours}:graph_breaks"],
-                          "graphs": group[f"{ours}:graphs"], "graph_breaks_none": group["none:graph_breaks"],
-                          "graphs_none": group["none:graphs"]}
-        print(f"  {config:16s} ours {ratio:6.3f}  cpu {cpu_ratio:6.3f}  graph breaks {group[f'{ours}:graph_breaks']}  "
-              f"graphs {group[f'{ours}:graphs']}")
+def run_compiled(model: str, config: str, steps: int, warmup: int, predecessor: bool) -> dict:
+    """Ours and (with `predecessor`) the predecessor's monitor on the compiled `model` with
+    `config`, each beside a `none` process of its own: their `compiled_ratios`; the predecessor's
+    as ``{"error": ...}`` where its worker exits."""
+    result = {"ours": compiled_ratios(run_interleaved(model, ["none", f"ours_{config}"], steps, warmup),
+                                      f"ours_{config}")}
+    if predecessor:
+        try:
+            medians = run_interleaved(model, ["none", f"pred_{config}"], steps, warmup)
+        except RuntimeError as exc:
+            result["pred"] = {"error": str(exc)}
+        else:
+            result["pred"] = compiled_ratios(medians, f"pred_{config}")
     return result
+
+
+def compiled_ratios(group: dict[str, float], mode: str) -> dict:
+    """`mode`'s ratio over its process pair's compiled `none` (wall clock, and `cpu_ratio` of the
+    processes' CPU time, which a loaded machine's waits for a core leave out), with the graph
+    breaks and graphs of the first step of each (without the tool / with it)."""
+    return {"ratio": round(group[mode] / group["none"], 3), "cpu_ratio": round(group[f"{mode}:cpu"] / group["none:cpu"], 3),
+            "graph_breaks": group[f"{mode}:graph_breaks"], "graphs": group[f"{mode}:graphs"],
+            "graph_breaks_none": group["none:graph_breaks"], "graphs_none": group["none:graphs"],
+            "none_ms": round(group["none"] * 1e3, 1)}
+
+
+def print_compiled(model: str, result: dict[str, dict]) -> None:
+    """One line per config and tool of `run_compiled`'s results."""
+    print(f"== {model} compiled")
+    for config, tools in result.items():
+        for tool, figures in tools.items():
+            if "error" in figures:
+                print(f"  {config:16s} {tool:5s} cannot run: {figures['error'][-300:]}")
+                continue
+            print(f"  {config:16s} {tool:5s} {figures['ratio']:6.3f}  cpu {figures['cpu_ratio']:6.3f}  "
+                  f"graph breaks {figures['graph_breaks']} (none {figures['graph_breaks_none']})  "
+                  f"graphs {figures['graphs']} (none {figures['graphs_none']})  no tool {figures['none_ms']} ms")
 
 
 def main() -> None:
@@ -228,6 +266,7 @@ def main() -> None:
     parser.add_argument("--modes", help=argparse.SUPPRESS)
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, help="--compiled: these configs only")
+    parser.add_argument("--no-predecessor", action="store_true", help="--compiled: ours only")
     args = parser.parse_args()
     if args.serve:
         serve(args.serve, args.modes)
@@ -244,8 +283,8 @@ def main() -> None:
         if args.compiled:
             # one process per mode: a second model instance in a process reuses the graphs compiled for the
             # first (Dynamo does not guard on module hooks), so ours would run in none's graph, unhooked
-            medians = [run_interleaved(model, ["none", f"ours_{c}"], steps, warmup) for c in configs]
-            report[model] = summarise_compiled(model, medians, configs)
+            report[model] = {c: run_compiled(model, c, steps, warmup, not args.no_predecessor) for c in configs}
+            print_compiled(model, report[model])
             continue
         medians = [run_group(model, modes, steps, warmup) for modes in groups(model)]
         report[model] = summarise(model, medians)

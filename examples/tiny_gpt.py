@@ -59,18 +59,24 @@ def synthetic_batches(cfg: GPTConfig, steps: int, seed: int = 0):
         yield tokens[:, :-1], tokens[:, 1:]
 
 
-def inject(model: nn.Module, layer: str, step_of: callable, at_step: int, kind: str = "nan"):
+def inject(model: nn.Module, layer: str, step_of: callable, at_step: int, kind: str = "nan", *,
+           traced: bool = False):
     """Make module `layer` emit nan/inf (or a x1000 spike) in its output at optimizer step `at_step`.
 
-    `step_of()` returns the current step. Returns the hook handle.
+    `step_of()` returns the current step. Returns the hook handle. `traced`: the step is compared
+    as a tensor inside the hook (`step_tensor`), so a compiled forward compiles once instead of
+    guarding on the Python step (a recompilation at every step).
     """
     module = model.get_submodule(layer)
+    step = step_tensor(model, step_of) if traced else None
 
     def corrupt(mod, args, output):
-        if step_of() != at_step:
+        if step is None and step_of() != at_step:
             return None
         out = output[0] if isinstance(output, tuple) else output
-        if kind == "spike":
+        if step is not None:
+            bad = corrupt_where(out, step == at_step, kind)
+        elif kind == "spike":
             bad = out * 1000.0
         else:
             bad = out.clone(memory_format=torch.contiguous_format)  # view(-1) needs contiguous
@@ -78,3 +84,24 @@ def inject(model: nn.Module, layer: str, step_of: callable, at_step: int, kind: 
         return (bad, *output[1:]) if isinstance(output, tuple) else bad
 
     return module.register_forward_hook(corrupt)
+
+
+def step_tensor(model: nn.Module, step_of: callable) -> torch.Tensor:
+    """A 0-d tensor holding `step_of()`, refreshed by a forward pre-hook on `model` (which runs
+    eagerly when the model's forward is compiled): hooks traced into the graph compare it there."""
+    step = torch.zeros((), dtype=torch.int64)
+
+    def refresh(mod, args):
+        step.fill_(step_of())
+
+    model.register_forward_pre_hook(refresh)
+    return step
+
+
+def corrupt_where(x: torch.Tensor, hit: torch.Tensor, kind: str) -> torch.Tensor:
+    """`x` where `hit` (a bool 0-d tensor) is false; else its first value nan/inf (`kind`), or
+    every value x1000 (`spike`): elementwise ops only, the same values as the eager corruption."""
+    if kind == "spike":
+        return torch.where(hit, x * 1000.0, x)
+    first = torch.arange(x.numel(), device=x.device).view(x.shape) == 0
+    return torch.where(hit & first, float("nan") if kind == "nan" else float("inf"), x)

@@ -190,7 +190,7 @@ class Framework(Protocol):
     name: str
     #: the `framework` field of its dumps (the predecessor's name, e.g. "pytorch")
     dump_format: str
-    #: the statistics backend module (partial_stats, concat, to_host, scalar, pick)
+    #: the statistics backend module (partial_stats, concat, to_host, scalar, pick; the torch one also difference_stats)
     backend: Any
 
     def attach(self, monitor: MonitorPort, model: Any, optimizer: Any) -> list["Removable"]:

@@ -140,6 +140,8 @@ class Monitor(StepLifecycle):
                                  self.tensor_meta if self.incidents is not None else None, self.wiring.find_backend)
         #: `StepLifecycle.add_tensors`, the hot path: the measurer's own method, no call in between
         self.add_tensors = self._measure.add
+        #: the rows of differences ``after[i] - before[i]`` (the optimizer's update), see `Measurer.add_differences`
+        self.add_differences = self._measure.add_differences
         if self.pipeline.emitter.sinks:  # environment.json, for `config-check` (built and written on the writer thread)
             self.record_environment()
         resume(self.pipeline, self.run, start_step)

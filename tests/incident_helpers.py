@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from examples.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
+from examples.tiny_gpt import GPTConfig, TinyGPT, corrupt_where, step_tensor, synthetic_batches
 
 #: the demo model, smaller: a step takes a few milliseconds
 SMALL = GPTConfig(vocab=64, dim=32, heads=2, layers=2, seq=16, batch=4)
@@ -40,15 +40,35 @@ class NanGrad(torch.autograd.Function):
         return grad, None
 
 
+class NanGradAt(torch.autograd.Function):
+    """`NanGrad` where `hit` (a bool 0-d tensor) is true, else the identity: tensor ops only."""
+
+    @staticmethod
+    def forward(ctx, x, hit, kind):
+        ctx.save_for_backward(hit)
+        ctx.kind = kind
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (hit,) = ctx.saved_tensors
+        return corrupt_where(grad, hit, ctx.kind), None, None
+
+
 def inject_backward(model: torch.nn.Module, layer: str, step_of: Callable[[], int], at_step: int,
-                    kind: str = "nan", how: str = "function"):
+                    kind: str = "nan", how: str = "function", *, traced: bool = False):
     """Make the backward of module `layer` produce a non-finite gradient at step `at_step`.
 
     `function`: its output passes through `NanGrad`, so the gradient entering its own backward
     is corrupted; `full_hook`: a full backward hook corrupts the gradient it returns for its input.
+    `traced` (`function` only): the output always passes through `NanGradAt`, which compares the
+    step as a tensor in the backward (`tiny_gpt.step_tensor`): a compiled forward compiles once.
     """
     module = model.get_submodule(layer)
     value = float("nan") if kind == "nan" else float("inf")
+    if how == "function" and traced:
+        step = step_tensor(model, step_of)
+        return module.register_forward_hook(lambda mod, args, output: NanGradAt.apply(output, step == at_step, kind))
     if how == "function":
         def forward_hook(mod, args, output):
             if step_of() == at_step:

@@ -199,17 +199,20 @@ def test_an_injected_nan_names_the_same_culprit_as_eager(tmp_path, phase, layer)
         model, opt = gpt_and_adam()
         monitor = None
         if phase == "forward":
-            inject(model, layer, lambda: monitor.step, 2, "nan")
+            inject(model, layer, lambda: monitor.step, 2, "nan", traced=True)
         else:
-            inject_backward(model, layer, lambda: monitor.step, 2, "nan", "function")
+            inject_backward(model, layer, lambda: monitor.step, 2, "nan", "function", traced=True)
         out = tmp_path / mode
         monitor = TorchMonitor(model, opt, incident_config(out, watch={"activation_grads": True}))
         if mode == "compiled":
+            torch._dynamo.utils.counters.clear()
             model.forward = torch.compile(model.forward)
-        # the fault's step (2) is the last: the fault hooks compare monitor.step in the traced forward,
-        # so Dynamo guards on it and every step recompiles (TORCH_LOGS=recompiles)
+        # the fault hooks compare the step as a tensor in the graph (`traced`): no guard on a Python
+        # step, so the forward compiles once (the eager replay of step 2 recompiles nothing)
         run_incident_steps(model, opt, monitor, 3)
         monitor.close()
+        if mode == "compiled":
+            assert counts()[1] == 1  # one graph: the fault's gate recompiles nothing
         found = culprit(out, 2)
         named[mode] = (found["phase"], found["call"], found.get("from"))
         if phase == "forward":

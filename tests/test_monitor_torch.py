@@ -274,9 +274,9 @@ def test_bad_arguments_are_named():
 
 
 def test_update_statistics_are_those_of_the_parameter_change_step_after_step(tmp_path):
-    """`update` is after - before exactly (the CPU path keeps a negated copy between steps and adds
-    the new parameters to it): every step's min and max the reference's bit for bit, the norm
-    within 1e-6; a parameter that did not move has an update of +0.0, not -0.0."""
+    """`update` is after - before exactly (the CPU path keeps a copy between steps and the C kernel
+    reduces the difference without writing it): every step's min and max the reference's bit for
+    bit, the norm within 1e-6; a parameter that did not move has an update of +0.0, not -0.0."""
     model, opt = gpt_and_adam()
     monitor = TorchMonitor(model, opt, config(tmp_path, sinks=[], stats=["min", "max", "norm"]))
     want = []

@@ -51,10 +51,33 @@ class Measurer:
                            zip(itertools.repeat(rows), itertools.count())))
             rows = backend.pick([own[key] if prior is None else own.get(prior) or rows_waiting.last[prior]
                                  for key, prior in zip(keys, same)])
+        self._record(keys, tensors, rows, started, remember=bool(same), measured=len(measured))
+
+    def add_differences(self, keys: Sequence[MetricKey], after: Sequence[Any], before: Sequence[Any]) -> None:
+        """`Monitor.add_differences`: the rows of ``after[i] - before[i]`` under `keys`, by the
+        backend's `difference_stats` (the torch backend on CPU: the differences never written)."""
+        if not (self.clock.active and after):
+            return
+        if self.control is not None and self.control.current.muted:
+            keys, pairs, _ = self.control.unmuted(keys, list(zip(after, before)), (), {})
+            if not pairs:
+                return
+            after, before = [a for a, _ in pairs], [b for _, b in pairs]
+        if self.pipeline.backend is None:
+            self.find_backend(after[0])
+        started = time.perf_counter()
+        rows = self.pipeline.backend.difference_stats(after, before, count_zeros=self.count_zeros, deferred=True)
+        self._record(keys, after, rows, started, remember=False, measured=len(after))
+
+    def _record(self, keys: Sequence[MetricKey], tensors: Sequence[Any], rows: Any, started: float, *,
+                remember: bool, measured: int) -> None:
+        """Hand `rows` (measured since `started`) to the step's waiting rows; the tensors' meta (an
+        incident's dump.json) kept by key."""
         if self.tensor_meta is not None:
+            backend = self.pipeline.backend
             self.tensor_meta.update(zip(keys, map(getattr(backend, "tensor_meta", tensor_meta), tensors)))
-        rows_waiting.add(self.clock.step, keys, rows, remember=bool(same), seconds=time.perf_counter() - started,
-                         measured=len(measured))
+        self.pipeline.rows.add(self.clock.step, keys, rows, remember=remember, seconds=time.perf_counter() - started,
+                               measured=measured)
 
     def scalar(self, value: Any) -> Any:
         """A training scalar (a tensor or a number) as something the backend measures."""

@@ -128,12 +128,28 @@ def partial_stats(tensors: Sequence[torch.Tensor], count_zeros: bool = False, de
     """
     if columns.EXTRA and tensors:
         rows = torch.cat([_builtin_stats(tensors, count_zeros), _extra_rows(tensors)], dim=1)
-        if not deferred:
-            return rows
-        block = Pending(0, rows.device)
-        block.add_rows(rows)
-        return block
+        return _as_pending(rows) if deferred else rows
     return _builtin_stats(tensors, count_zeros, deferred)
+
+
+def difference_stats(after: Sequence[torch.Tensor], before: Sequence[torch.Tensor], count_zeros: bool = False,
+                     deferred: bool = False) -> Rows:
+    """`partial_stats` of the differences ``after[i] - before[i]`` (tensors of one shape and dtype
+    each). On CPU, float32/float64, no registered columns: by the C kernel, the differences never
+    written (`cpu_reduce.difference_rows`); elsewhere they are computed, then measured."""
+    rows = cpu_reduce.difference_rows(after, before, count_zeros) \
+        if after and after[0].is_cpu and not columns.EXTRA else None
+    if rows is None:
+        with torch.no_grad():
+            return partial_stats(torch._foreach_sub(list(after), list(before)), count_zeros, deferred)
+    return _as_pending(rows) if deferred else rows
+
+
+def _as_pending(rows: torch.Tensor) -> Pending:
+    """Rows already packed, as a `Pending` block."""
+    block = Pending(0, rows.device)
+    block.add_rows(rows)
+    return block
 
 
 def _extra_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

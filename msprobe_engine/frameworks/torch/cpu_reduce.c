@@ -13,6 +13,10 @@
  *
  * On x86-64 each loop is compiled for x86-64-v4 (AVX-512), v3 (AVX2, FMA, F16C) and the
  * baseline, and the loader picks the best the CPU has (GCC's target_clones).
+ *
+ * The loops read each value as LOAD(x, y, i): x[i] for a tensor's row, x[i] - y[i] (float32 or
+ * float64, the same bits as torch's subtraction) for the row of a difference of two tensors that
+ * is never materialised (msprobe_cpu_diff_rows); y is unused (NULL) for the former.
  */
 #include <math.h>
 #include <stdint.h>
@@ -65,11 +69,16 @@ static inline float load_f16(const uint16_t *p, int64_t i) {
 typedef uint16_t f16_t;
 #endif
 
-static inline float load_f32(const float *p, int64_t i) { return p[i]; }
+static inline float load_f32(const float *p, const float *q, int64_t i) { (void)q; return p[i]; }
+static inline float load_f32_diff(const float *p, const float *q, int64_t i) { return p[i] - q[i]; }
+static inline float load_f16_one(const f16_t *p, const f16_t *q, int64_t i) { (void)q; return load_f16(p, i); }
+static inline float load_bf16_one(const uint16_t *p, const uint16_t *q, int64_t i) { (void)q; return load_bf16(p, i); }
+static inline double load_f64(const double *p, const double *q, int64_t i) { (void)q; return p[i]; }
+static inline double load_f64_diff(const double *p, const double *q, int64_t i) { return p[i] - q[i]; }
 
 /* The hot loop for a dtype read as float: min/max/sum/sumsq and optionally the zero count. */
 #define DEFINE_FLOAT_REDUCE(NAME, T, LOAD, ZEROS)                                              \
-    CLONES static void NAME(const T *x, int64_t n, part_t *out) {                             \
+    CLONES static void NAME(const T *x, const T *y, int64_t n, part_t *out) {                 \
         float lo[LANES], hi[LANES];                                                           \
         double s[LANES], q[LANES];                                                            \
         int32_t z[LANES];                                                                     \
@@ -83,7 +92,7 @@ static inline float load_f32(const float *p, int64_t i) { return p[i]; }
             for (int j = 0; j < LANES; j++) s32[j] = 0;                                       \
             for (int k = 0; k < BLOCK; k += LANES) {                                          \
                 for (int j = 0; j < LANES; j++) {                                             \
-                    float v = LOAD(x, i + k + j);                                             \
+                    float v = LOAD(x, y, i + k + j);                                          \
                     lo[j] = v < lo[j] ? v : lo[j];                                            \
                     hi[j] = v > hi[j] ? v : hi[j];                                            \
                     s32[j] += v;                                                              \
@@ -98,7 +107,7 @@ static inline float load_f32(const float *p, int64_t i) { return p[i]; }
             }                                                                                 \
         }                                                                                     \
         for (int j = 0; i < n; i++, j++) { /* the tail: fewer than BLOCK values */             \
-            float v = LOAD(x, i);                                                             \
+            float v = LOAD(x, y, i);                                                          \
             lo[j] = v < lo[j] ? v : lo[j];                                                    \
             hi[j] = v > hi[j] ? v : hi[j];                                                    \
             s[j] += v;                                                                        \
@@ -116,14 +125,16 @@ static inline float load_f32(const float *p, int64_t i) { return p[i]; }
 
 DEFINE_FLOAT_REDUCE(reduce_f32, float, load_f32, 0)
 DEFINE_FLOAT_REDUCE(reduce_f32_zeros, float, load_f32, 1)
-DEFINE_FLOAT_REDUCE(reduce_f16, f16_t, load_f16, 0)
-DEFINE_FLOAT_REDUCE(reduce_f16_zeros, f16_t, load_f16, 1)
-DEFINE_FLOAT_REDUCE(reduce_bf16, uint16_t, load_bf16, 0)
-DEFINE_FLOAT_REDUCE(reduce_bf16_zeros, uint16_t, load_bf16, 1)
+DEFINE_FLOAT_REDUCE(reduce_f32_diff, float, load_f32_diff, 0)
+DEFINE_FLOAT_REDUCE(reduce_f32_diff_zeros, float, load_f32_diff, 1)
+DEFINE_FLOAT_REDUCE(reduce_f16, f16_t, load_f16_one, 0)
+DEFINE_FLOAT_REDUCE(reduce_f16_zeros, f16_t, load_f16_one, 1)
+DEFINE_FLOAT_REDUCE(reduce_bf16, uint16_t, load_bf16_one, 0)
+DEFINE_FLOAT_REDUCE(reduce_bf16_zeros, uint16_t, load_bf16_one, 1)
 
 /* float64: the same loop in float64 throughout. */
-#define DEFINE_DOUBLE_REDUCE(NAME, ZEROS)                                                     \
-    CLONES static void NAME(const double *x, int64_t n, part_t *out) {                        \
+#define DEFINE_DOUBLE_REDUCE(NAME, LOAD, ZEROS)                                               \
+    CLONES static void NAME(const double *x, const double *y, int64_t n, part_t *out) {       \
         double lo[LANES], hi[LANES], s[LANES], q[LANES];                                      \
         int64_t z[LANES];                                                                     \
         for (int j = 0; j < LANES; j++) {                                                     \
@@ -132,7 +143,7 @@ DEFINE_FLOAT_REDUCE(reduce_bf16_zeros, uint16_t, load_bf16, 1)
         int64_t i = 0, body = n / LANES * LANES;                                              \
         for (; i < body; i += LANES) {                                                        \
             for (int j = 0; j < LANES; j++) {                                                 \
-                double v = x[i + j];                                                          \
+                double v = LOAD(x, y, i + j);                                                 \
                 lo[j] = v < lo[j] ? v : lo[j];                                                \
                 hi[j] = v > hi[j] ? v : hi[j];                                                \
                 s[j] += v;                                                                    \
@@ -141,7 +152,7 @@ DEFINE_FLOAT_REDUCE(reduce_bf16_zeros, uint16_t, load_bf16, 1)
             }                                                                                 \
         }                                                                                     \
         for (int j = 0; i < n; i++, j++) {                                                    \
-            double v = x[i];                                                                  \
+            double v = LOAD(x, y, i);                                                         \
             lo[j] = v < lo[j] ? v : lo[j];                                                    \
             hi[j] = v > hi[j] ? v : hi[j];                                                    \
             s[j] += v; q[j] += v * v;                                                         \
@@ -156,17 +167,20 @@ DEFINE_FLOAT_REDUCE(reduce_bf16_zeros, uint16_t, load_bf16, 1)
         out->lo = L; out->hi = H; out->sum = S; out->sumsq = Q; out->zeros = zeros;           \
     }
 
-DEFINE_DOUBLE_REDUCE(reduce_f64, 0)
-DEFINE_DOUBLE_REDUCE(reduce_f64_zeros, 1)
+DEFINE_DOUBLE_REDUCE(reduce_f64, load_f64, 0)
+DEFINE_DOUBLE_REDUCE(reduce_f64_zeros, load_f64, 1)
+DEFINE_DOUBLE_REDUCE(reduce_f64_diff, load_f64_diff, 0)
+DEFINE_DOUBLE_REDUCE(reduce_f64_diff_zeros, load_f64_diff, 1)
 
-/* The rare second loop: nan and inf counts of a tensor whose sum or sum of squares is not finite. */
-static void count_non_finite(const void *data, int dtype, int64_t n, int64_t *nans, int64_t *infs) {
+/* The rare second loop: nan and inf counts of a tensor (or a difference, `minus` not NULL) whose
+ * sum or sum of squares is not finite. */
+static void count_non_finite(const void *data, const void *minus, int dtype, int64_t n, int64_t *nans, int64_t *infs) {
     int64_t a = 0, b = 0;
     for (int64_t i = 0; i < n; i++) {
         double v;
         switch (dtype) {
-        case DT_F32: v = ((const float *)data)[i]; break;
-        case DT_F64: v = ((const double *)data)[i]; break;
+        case DT_F32: v = minus ? load_f32_diff(data, minus, i) : ((const float *)data)[i]; break;
+        case DT_F64: v = minus ? load_f64_diff(data, minus, i) : ((const double *)data)[i]; break;
         case DT_F16: v = load_f16((const f16_t *)data, i); break;
         default: v = load_bf16((const uint16_t *)data, i); break;
         }
@@ -175,6 +189,22 @@ static void count_non_finite(const void *data, int dtype, int64_t n, int64_t *na
     }
     *nans = a;
     *infs = b;
+}
+
+/* The row of one reduced tensor (or difference) into row[0..7]. */
+static void write_row(const part_t *p, const void *data, const void *minus, int dtype, int64_t n,
+                      int32_t count_zeros, double *row) {
+    int64_t nans = 0, infs = 0;
+    if (!isfinite(p->sum) || !isfinite(p->sumsq))
+        count_non_finite(data, minus, dtype, n, &nans, &infs);
+    row[0] = nans ? NAN : p->lo;
+    row[1] = nans ? NAN : p->hi;
+    row[2] = p->sum;
+    row[3] = p->sumsq;
+    row[4] = (double)nans;
+    row[5] = (double)infs;
+    row[6] = count_zeros || n == 0 ? (double)p->zeros : NAN;
+    row[7] = (double)n;
 }
 
 /* Rows of `count` tensors into out[8 * t ...]: `table` holds the tensors' addresses, then their
@@ -187,23 +217,29 @@ void msprobe_cpu_rows(int64_t count, const int64_t *table, int32_t count_zeros, 
         int64_t n = numels[t];
         part_t p;
         switch (dtypes[t]) {
-        case DT_F32: (count_zeros ? reduce_f32_zeros : reduce_f32)((const float *)data, n, &p); break;
-        case DT_F64: (count_zeros ? reduce_f64_zeros : reduce_f64)((const double *)data, n, &p); break;
-        case DT_F16: (count_zeros ? reduce_f16_zeros : reduce_f16)((const f16_t *)data, n, &p); break;
-        default: (count_zeros ? reduce_bf16_zeros : reduce_bf16)((const uint16_t *)data, n, &p); break;
+        case DT_F32: (count_zeros ? reduce_f32_zeros : reduce_f32)((const float *)data, NULL, n, &p); break;
+        case DT_F64: (count_zeros ? reduce_f64_zeros : reduce_f64)((const double *)data, NULL, n, &p); break;
+        case DT_F16: (count_zeros ? reduce_f16_zeros : reduce_f16)((const f16_t *)data, NULL, n, &p); break;
+        default: (count_zeros ? reduce_bf16_zeros : reduce_bf16)((const uint16_t *)data, NULL, n, &p); break;
         }
-        int64_t nans = 0, infs = 0;
-        if (!isfinite(p.sum) || !isfinite(p.sumsq))
-            count_non_finite(data, dtypes[t], n, &nans, &infs);
-        double *row = out + 8 * t;
-        row[0] = nans ? NAN : p.lo;
-        row[1] = nans ? NAN : p.hi;
-        row[2] = p.sum;
-        row[3] = p.sumsq;
-        row[4] = (double)nans;
-        row[5] = (double)infs;
-        row[6] = count_zeros || n == 0 ? (double)p.zeros : NAN;
-        row[7] = (double)n;
+        write_row(&p, data, NULL, (int)dtypes[t], n, count_zeros, out + 8 * t);
+    }
+}
+
+/* Rows of the differences a - b of `count` pairs of float32 or float64 tensors of one length
+ * each, into out[8 * t ...], the differences never written: `table` holds the addresses of the
+ * a's, then of the b's, then the lengths, then the dtype codes (DT_F32 or DT_F64). */
+void msprobe_cpu_diff_rows(int64_t count, const int64_t *table, int32_t count_zeros, double *out) {
+    const int64_t *as = table, *bs = table + count, *numels = table + 2 * count, *dtypes = table + 3 * count;
+    for (int64_t t = 0; t < count; t++) {
+        const void *a = (const void *)(intptr_t)as[t], *b = (const void *)(intptr_t)bs[t];
+        int64_t n = numels[t];
+        part_t p;
+        if (dtypes[t] == DT_F64)
+            (count_zeros ? reduce_f64_diff_zeros : reduce_f64_diff)((const double *)a, (const double *)b, n, &p);
+        else
+            (count_zeros ? reduce_f32_diff_zeros : reduce_f32_diff)((const float *)a, (const float *)b, n, &p);
+        write_row(&p, a, b, (int)dtypes[t], n, count_zeros, out + 8 * t);
     }
 }
 

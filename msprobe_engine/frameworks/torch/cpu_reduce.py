@@ -19,9 +19,12 @@ that overflows or underflows float32 is still right here, unlike the torch path'
 tensors in float64 throughout; nan and inf counted by a second loop only when the sum or the sum
 of squares is not finite (a finite one proves there is none). On x86-64 the loops are compiled for
 AVX-512, AVX2 and the baseline and picked at load time by what the CPU has.
-Two entries: `msprobe_cpu_rows` reads a batch through a lookup table (addresses, lengths,
+Three entries: `msprobe_cpu_rows` reads a batch through a lookup table (addresses, lengths,
 dtype codes); `msprobe_cpu_row` takes one tensor's address, length and dtype as arguments (a
-hook's one tensor, the common call: no table to build, about 2 us less Python per call).
+hook's one tensor, the common call: no table to build, about 2 us less Python per call);
+`msprobe_cpu_diff_rows` (`difference_rows`) gives the rows of differences ``a - b`` of float32 or
+float64 tensors without writing them (the optimizer's update: two reads a parameter instead of the
+difference's write and its read back).
 
 Building: at install time (setup.py builds `cpu_reduce.c` into the package as the plain shared
 library `_cpu_reduce*.so`, with the same flags; `pip install`, also `pip install -e`), and it is
@@ -72,6 +75,8 @@ SOURCE = Path(__file__).with_name("cpu_reduce.c")
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11")
 #: The dtypes the kernel reads, with their codes in the C file.
 DTYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
+#: The dtypes whose differences the kernel reads (`difference_rows`).
+_DIFF_DTYPES = (torch.float32, torch.float64)
 #: With torch on more than one thread, tensors longer than this stay on torch's parallel reductions.
 PARALLEL_NUMEL = 1 << 20
 #: Tensor types whose `data_ptr` is their values (a subclass such as a DTensor wraps its data elsewhere).
@@ -166,12 +171,22 @@ def _library_handle() -> ctypes.CDLL:
 
 
 @functools.lru_cache(maxsize=None)
-def _entry():
-    """The C function `msprobe_cpu_rows` (many tensors, by a lookup table)."""
-    function = _library_handle().msprobe_cpu_rows
+def _table_entry(name: str):
+    """The C function `name` that reads tensors by a lookup table: (count, table, count_zeros, out)."""
+    function = getattr(_library_handle(), name)
     function.restype = None
     function.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p]
     return function
+
+
+def _entry():
+    """The C function `msprobe_cpu_rows` (many tensors, by a lookup table)."""
+    return _table_entry("msprobe_cpu_rows")
+
+
+def _entry_diff():
+    """The C function `msprobe_cpu_diff_rows` (differences of pairs, by a lookup table)."""
+    return _table_entry("msprobe_cpu_diff_rows")
 
 
 @functools.lru_cache(maxsize=None)
@@ -194,7 +209,7 @@ def available() -> bool:
     if _loaded:
         return True
     try:
-        _entry(), _entry_one()
+        _entry(), _entry_one(), _entry_diff()
     except Exception as exc:  # not packaged, no compiler, a compile error, a library that does not load
         _disable(f"the C kernel is unavailable ({type(exc).__name__}: {exc})")
         return False
@@ -225,6 +240,27 @@ def rows(tensors: Sequence[torch.Tensor], count_zeros: bool = False) -> torch.Te
                               *[DTYPES[t.dtype] for t in tensors]])  # addresses, lengths, dtype codes
     out = torch.empty(len(tensors), 8, dtype=torch.float64)
     _entry()(len(tensors), table.buffer_info()[0], 1 if count_zeros else 0, out.data_ptr())
+    return out
+
+
+def difference_rows(after: Sequence[torch.Tensor], before: Sequence[torch.Tensor],
+                    count_zeros: bool = False) -> Optional[torch.Tensor]:
+    """``[len(after), 8]`` float64 rows of ``after[i] - before[i]`` (exactly torch's difference),
+    by one call of the C kernel that never writes the differences; None when the kernel is off or
+    any pair is not two `eligible` contiguous tensors of one shape and dtype, float32 or float64."""
+    if not after or not (ENABLED and available()):
+        return None
+    parallel = torch.get_num_threads() > 1
+    for a, b in zip(after, before):
+        if not (a.dtype == b.dtype and a.dtype in _DIFF_DTYPES and a.shape == b.shape and a.is_contiguous()
+                and b.is_contiguous() and eligible(a, parallel) and eligible(b, parallel)):
+            return None
+        _check_storage(a)
+        _check_storage(b)
+    table = array.array("q", [*[a.data_ptr() for a in after], *[b.data_ptr() for b in before],
+                              *[a.numel() for a in after], *[DTYPES[a.dtype] for a in after]])
+    out = torch.empty(len(after), 8, dtype=torch.float64)
+    _entry_diff()(len(after), table.buffer_info()[0], 1 if count_zeros else 0, out.data_ptr())
     return out
 
 
