@@ -47,14 +47,14 @@ class LaterRows:
     def add(self, keys: Sequence[Hashable], tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
         """The rows of `tensors` (named by `keys`), filled at the next settle; None: measure them
         now (a key not proven yet, which is then watched, or a tensor the kernel does not read)."""
-        proven = self.proven
-        if not all(key in proven for key in keys):
+        if not self.proven.issuperset(keys):
             self._watch(keys, tensors)
             return None
         if not (cpu_reduce.ENABLED and cpu_reduce.available()):
             return None
         parallel = torch.get_num_threads() > 1
-        if not all(cpu_reduce.eligible(t, parallel) for t in tensors):
+        eligible = cpu_reduce.eligible
+        if not all([eligible(t, parallel) for t in tensors]):
             return None
         try:
             versions = [t._version for t in tensors]
@@ -66,7 +66,7 @@ class LaterRows:
             used = 0
             self._buffer = torch.empty(max(CHUNK, len(tensors)), 8, dtype=torch.float64)
         addresses, lengths, codes = self._table
-        waiting = self._waiting
+        waiting, dtypes = self._waiting, cpu_reduce.DTYPES
         for key, t, now in zip(keys, tensors, versions):
             if not t.is_contiguous():
                 with torch.no_grad():
@@ -74,7 +74,7 @@ class LaterRows:
             waiting.append((key, t, now))
             addresses.append(t.data_ptr())
             lengths.append(t.numel())
-            codes.append(cpu_reduce.DTYPES[t.dtype])
+            codes.append(dtypes[t.dtype])
         return self._buffer[used:used + len(tensors)]
 
     def _watch(self, keys: Sequence[Hashable], tensors: Sequence[torch.Tensor]) -> None:
