@@ -8,7 +8,8 @@ the tool, with configs/megatron/monitor.yaml, and with everything watched every 
 (module outputs and inputs, activation gradients, gradients, weights, Adam's moments,
 updates and update/weight ratios; as "everything" in bench/overhead.py). One step of
 each in turn, the order rotating every round, so machine noise hits every config
-alike. Times are rank 0's. The LAST printed line is one JSON object mapping each
+alike. Times are rank 0's; the thread CPU time per step (`time.thread_time`, less sensitive to
+the machine's load than the wall clock) is printed for each rank. The LAST printed line is one JSON object mapping each
 config to its ratio over no tool (goal: <= 1.3).
 
     OMP_NUM_THREADS=1 python bench/megatron_overhead.py [--parallel tp|dp|ep] [--steps 40] [--warmup 5]
@@ -57,23 +58,24 @@ def rank_main(rank: int, world: int, parallel: str, steps: int, warmup: int, out
         if name in configs:
             config = {**configs[name], "output_dir": str(Path(out) / name.replace("/", "_"))}
             monitor = MegatronMonitor([model], optimizer, config=config)
-        runs[name] = (model, optimizer, monitor, [])
+        runs[name] = (model, optimizer, monitor, [], [])
     names = list(runs)
     for i in range(steps + warmup):
         batches = H.micro_batches(spec, 2, seed=i * world + (rank if own_data else 0))
         shift = i % len(names)
         for name in names[shift:] + names[:shift]:
-            model, optimizer, monitor, times = runs[name]
-            start = time.perf_counter()
+            model, optimizer, monitor, times, cpu = runs[name]
+            start, start_cpu = time.perf_counter(), time.thread_time()
             loss, _, _ = H.train_step(model, optimizer, batches)
             if monitor is not None:
                 monitor.step_end(loss)
             if i >= warmup:
                 times.append(time.perf_counter() - start)
-    for _, _, monitor, _ in runs.values():
+                cpu.append(time.thread_time() - start_cpu)
+    for _, _, monitor, _, _ in runs.values():
         if monitor is not None:
             monitor.close()
-    return {name: statistics.median(run[3]) for name, run in runs.items()}
+    return {name: (statistics.median(run[3]), statistics.median(run[4])) for name, run in runs.items()}
 
 
 def main() -> None:
@@ -83,7 +85,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     args = parser.parse_args()
     out = tempfile.mkdtemp(prefix="msprobe-megatron-bench-")
-    medians = run_ranks(rank_main, 2, args.parallel, args.steps, args.warmup, out, timeout=1800)[0]
+    per_rank = run_ranks(rank_main, 2, args.parallel, args.steps, args.warmup, out, timeout=1800)
+    for rank, medians in enumerate(per_rank):
+        print(f"rank {rank} thread CPU per step: " + ", ".join(f"{name} {cpu * 1e3:.2f} ms" for name, (_, cpu)
+                                                               in medians.items()))
+    medians = {name: wall for name, (wall, _) in per_rank[0].items()}
     base = medians.pop("no tool")
     print(f"{args.parallel.upper()}=2, median step time without the tool: {base * 1e3:.2f} ms ({args.steps} steps)")
     ratios = {}

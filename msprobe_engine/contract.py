@@ -57,14 +57,16 @@ class StepLifecycle:
         (its optimizer step ran but `step_end` was not called)."""
 
     def add_tensors(self, keys: Sequence["MetricKey"], tensors: Sequence[Any], divisor: float = 1.0, *,
-                    same: Sequence["MetricKey | None"] = ()) -> None:
+                    same: Sequence["MetricKey | None"] = (), later: bool = False) -> None:
         """Measure `tensors` (named by `keys`) on their device; nothing reaches the host. `divisor`
         (> 0, e.g. an fp16 loss scale still in the gradients; a number, or a 0-d tensor on the
         tensors' device, read there without a host sync) divides every value, exactly. `same`,
         when given, has one entry per tensor: None, or the key of an earlier row of that very
         tensor, unchanged since, added in this step (or this call) by a call that gave `same`
         too, with the same divisor; that row is repeated instead of measuring the tensor again
-        (the backend's `pick`)."""
+        (the backend's `pick`). `later`: a forward hook's tensors, which the backend may measure
+        with the micro-step's others at its end when they stay unchanged until then (the torch
+        backend's `later_rows`, CPU tensors; the rows are the same)."""
 
     def before_optimizer_step(self, screen: Callable[["StatTable"], "StatTable"] | None = None) -> "StepDecision":
         """At the accumulation boundary, gradients final: the decision for the optimizer step
@@ -141,7 +143,7 @@ class MonitorPort(Protocol):
     # the lifecycle (`StepLifecycle`)
     def micro_step_begin(self) -> None: ...
     def add_tensors(self, keys: Sequence["MetricKey"], tensors: Sequence[Any], divisor: float = 1.0, *,
-                    same: Sequence["MetricKey | None"] = ()) -> None: ...
+                    same: Sequence["MetricKey | None"] = (), later: bool = False) -> None: ...
     def before_optimizer_step(self, screen: Callable[["StatTable"], "StatTable"] | None = None
                               ) -> "StepDecision": ...
     def after_optimizer_step(self) -> None: ...

@@ -194,6 +194,7 @@ class Monitor(StepLifecycle):
 
     # ---- lifecycle --------------------------------------------------------------
     def micro_step_begin(self) -> None:
+        self.rows.settle()
         if self.replay.replaying:
             return
         if self.clock.optimizer_done:

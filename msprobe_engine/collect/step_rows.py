@@ -48,6 +48,17 @@ class StepRows:
         self._meter = [0.0, 0]  # seconds in add_tensors and tensors measured since the last transfer
         #: this rank's rows before the merge, of the last merged transfers: (keys, steps, rows on the device)
         self.own: deque[tuple[list[MetricKey], np.ndarray, Any]] = deque(maxlen=OWN_TRANSFERS)
+        #: rows whose tensors are measured together later (the backend's `LaterRows`; None: none
+        #: yet, False: the backend has none); `settle` measures them, before any read of the rows
+        self.later: Any = None
+
+    def settle(self) -> None:
+        """Measure the tensors whose rows wait in `later` (a micro-step's end, a read of the rows);
+        the time counts in the monitor's overhead."""
+        if self.later:
+            started = time.perf_counter()
+            self.later.settle()
+            self._meter[0] += time.perf_counter() - started
 
     @property
     def waiting(self) -> bool:
@@ -70,6 +81,7 @@ class StepRows:
 
     def discard(self, step: int, kind: str, backend: Any) -> None:
         """Drop the waiting rows of `kind` measured in `step`."""
+        self.settle()
         kept = []
         for at, keys, rows in self.pending:
             keep = [i for i, key in enumerate(keys) if at != step or key.kind != kind]
@@ -86,6 +98,7 @@ class StepRows:
         step; a replay's does not); `merge`: through `reducer`; `late(rows)`: whether this
         copy may be read one step late (then it is only started, and `step` has no rows yet)."""
         started = time.perf_counter()
+        self.settle()
         pending, self.pending = self.pending, []
         self.last.clear()
         tables: dict[int, StatTable] = {}

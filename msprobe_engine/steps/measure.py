@@ -27,7 +27,7 @@ class Measurer:
         self.find_backend = find_backend
 
     def add(self, keys: Sequence[MetricKey], tensors: Sequence[Any], divisor: float = 1.0, *,
-            same: Sequence[MetricKey | None] = ()) -> None:
+            same: Sequence[MetricKey | None] = (), later: bool = False) -> None:
         """`Monitor.add_tensors` (see `contract.StepLifecycle.add_tensors`)."""
         if not (self.clock.active and tensors):
             return
@@ -40,15 +40,17 @@ class Measurer:
             self.find_backend(tensors[0])
         backend, started = self.pipeline.backend, time.perf_counter()
         measured = [t for t, prior in zip(tensors, same) if prior is None] if same else tensors
-        if not measured:
-            rows = None
-        elif not hasattr(divisor, "shape") and divisor == 1.0:  # packed into rows with the step's others, at the transfer
+        own_keys = [key for key, prior in zip(keys, same) if prior is None] if same else keys
+        plain = not hasattr(divisor, "shape") and divisor == 1.0
+        rows = self._later(backend, own_keys, measured) if later and plain and measured else None
+        if rows is not None or not measured:
+            pass  # measured at the micro-step's end (`StepRows.later`), or nothing to measure
+        elif plain:  # packed into rows with the step's others, at the transfer
             rows = backend.partial_stats(measured, count_zeros=self.count_zeros, deferred=True)
         else:
             rows = divide(backend.partial_stats(measured, count_zeros=self.count_zeros), divisor)
         if len(measured) < len(tensors):
-            own = dict(zip([key for key, prior in zip(keys, same) if prior is None],
-                           zip(itertools.repeat(rows), itertools.count())))
+            own = dict(zip(own_keys, zip(itertools.repeat(rows), itertools.count())))
             rows = backend.pick([own[key] if prior is None else own.get(prior) or rows_waiting.last[prior]
                                  for key, prior in zip(keys, same)])
         self._record(keys, tensors, rows, started, remember=bool(same), measured=len(measured))
@@ -78,6 +80,14 @@ class Measurer:
             self.tensor_meta.update(zip(keys, map(getattr(backend, "tensor_meta", tensor_meta), tensors)))
         self.pipeline.rows.add(self.clock.step, keys, rows, remember=remember, seconds=time.perf_counter() - started,
                                measured=measured)
+
+    def _later(self, backend: Any, keys: Sequence[MetricKey], tensors: Sequence[Any]) -> Any:
+        """Rows that the backend's `LaterRows` fills at the micro-step's end, or None: measure now."""
+        batch = self.pipeline.rows.later
+        if batch is None:  # the backend's batch, made on first use (False: it has none)
+            make = getattr(backend, "LaterRows", None)
+            batch = self.pipeline.rows.later = make(self.count_zeros) if make is not None else False
+        return batch.add(keys, tensors) if batch else None
 
     def scalar(self, value: Any) -> Any:
         """A training scalar (a tensor or a number) as something the backend measures."""

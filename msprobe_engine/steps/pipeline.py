@@ -219,6 +219,7 @@ class StepPipeline:
         calls do nothing and the optimizer step is skipped. On a normal exit it holds the
         replay's values (every statistic of every row, by tag, and the step's metrics), its
         table and the call graph noted (`incident.replay.Measured`)."""
+        self.rows.settle()
         saved, self.rows.pending, self.replay.replaying = self.rows.pending, [], True
         measured = Measured()
         try:

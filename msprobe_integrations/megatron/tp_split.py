@@ -82,13 +82,13 @@ class ReplicaSplit(Reducer):
 
     # ---- add_tensors ----------------------------------------------------------------------
     def add_tensors(self, keys: Sequence[MetricKey], tensors: Sequence[Any], divisor: float = 1.0, *,
-                    same: Sequence[MetricKey | None] = ()) -> None:
+                    same: Sequence[MetricKey | None] = (), later: bool = False) -> None:
         elsewhere = self.elsewhere
         if elsewhere and not self.monitor.replaying:
             first = same or [None] * len(keys)
             tensors = [t.new_empty(0) if prior is None and key in elsewhere else t
                        for key, t, prior in zip(keys, tensors, first)]
-        self._add(keys, tensors, divisor, same=same)
+        self._add(keys, tensors, divisor, same=same, later=later)
 
 
 class _Watched:

@@ -48,6 +48,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from msprobe_engine.frameworks.torch import cpu_reduce, fused_reduce
+from msprobe_engine.frameworks.torch.later_rows import LaterRows  # noqa: F401  (the backend's batch: `StepRows.later`)
 from msprobe_engine.stats import columns
 from msprobe_engine.stats.columns import BUILTIN, N_BUILTIN
 

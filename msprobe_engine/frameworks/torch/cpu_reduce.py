@@ -235,12 +235,19 @@ def rows(tensors: Sequence[torch.Tensor], count_zeros: bool = False) -> torch.Te
         with torch.no_grad():
             tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]  # alive during the call
     for t in tensors:
-        _check_storage(t)
+        check_storage(t)
     table = array.array("q", [*[t.data_ptr() for t in tensors], *[t.numel() for t in tensors],
-                              *[DTYPES[t.dtype] for t in tensors]])  # addresses, lengths, dtype codes
+                              *[DTYPES[t.dtype] for t in tensors]])
     out = torch.empty(len(tensors), 8, dtype=torch.float64)
-    _entry()(len(tensors), table.buffer_info()[0], 1 if count_zeros else 0, out.data_ptr())
+    fill_rows(len(tensors), table, count_zeros, out)
     return out
+
+
+def fill_rows(count: int, table: array.array, count_zeros: bool, out: torch.Tensor) -> None:
+    """The kernel's many-tensor call: the rows of `count` tensors, given by `table` (their
+    addresses, then lengths, then dtype codes; int64), into the first `count` rows of `out`
+    (contiguous float64, 8 columns)."""
+    _entry()(count, table.buffer_info()[0], 1 if count_zeros else 0, out.data_ptr())
 
 
 def difference_rows(after: Sequence[torch.Tensor], before: Sequence[torch.Tensor],
@@ -255,8 +262,8 @@ def difference_rows(after: Sequence[torch.Tensor], before: Sequence[torch.Tensor
         if not (a.dtype == b.dtype and a.dtype in _DIFF_DTYPES and a.shape == b.shape and a.is_contiguous()
                 and b.is_contiguous() and eligible(a, parallel) and eligible(b, parallel)):
             return None
-        _check_storage(a)
-        _check_storage(b)
+        check_storage(a)
+        check_storage(b)
     table = array.array("q", [*[a.data_ptr() for a in after], *[b.data_ptr() for b in before],
                               *[a.numel() for a in after], *[DTYPES[a.dtype] for a in after]])
     out = torch.empty(len(after), 8, dtype=torch.float64)
@@ -269,13 +276,13 @@ def _row(tensor: torch.Tensor, count_zeros: bool) -> torch.Tensor:
     if not tensor.is_contiguous():
         with torch.no_grad():
             tensor = tensor.contiguous()
-    _check_storage(tensor)
+    check_storage(tensor)
     out = torch.empty(1, 8, dtype=torch.float64)
     _entry_one()(tensor.data_ptr(), tensor.numel(), DTYPES[tensor.dtype], 1 if count_zeros else 0, out.data_ptr())
     return out
 
 
-def _check_storage(t: torch.Tensor) -> None:
+def check_storage(t: torch.Tensor) -> None:
     """A storage freed under its tensor (a sharding wrapper's) would be read out of bounds: raise."""
     nbytes = t.untyped_storage().nbytes()
     if nbytes < (t.storage_offset() + t.numel()) * t.element_size():

@@ -2,7 +2,8 @@
 
 Each hook returns at once on unmonitored steps. On monitored steps it hands
 the module's tensors to the monitor, which reduces them on their device in
-one batched call; nothing is copied to the host here. A module called k
+one batched call (on CPU, those of the whole forward together at its end:
+`later_rows`); nothing is copied to the host here. A module called k
 times in one micro-step is named `path`, `path:1`, ... `path:k-1`; calls in
 later micro-steps of the same optimizer step merge into the same names.
 Forward recomputation during backward (activation checkpointing) is not
@@ -78,6 +79,8 @@ class ModuleHooks(Handles):
         self._grad_hooks: dict[MetricKey, Callable] = {}  # one gradient hook per key, made once
         self._micro_step = RunTimeCall(lambda tensors, values: monitor.micro_step_begin())
         self.handles: list = [model.register_forward_pre_hook(self._root_pre_hook)]
+        if self.flow is not None:  # the forward's rows measured together at its end (`later_rows`)
+            self.handles.append(model.register_forward_hook(self._root_hook))
         self.paths: list[str] = []
         if not (self.inputs or self.outputs or self.grads):
             return
@@ -117,6 +120,11 @@ class ModuleHooks(Handles):
             self.flow.new_micro_step()
         if self.counts_micro_steps:
             self.monitor.micro_step_begin()
+
+    @never_a_frame
+    def _root_hook(self, module, args, output) -> None:
+        if not torch.compiler.is_compiling() and self.monitor.active:
+            self.monitor.rows.settle()
 
     def _make_hook(self, path: str):
         monitor = self.monitor
@@ -166,7 +174,7 @@ class ModuleHooks(Handles):
             ins, outs = self.flow.note_call(name, inputs, found)
             rows = outs + ins if self.inputs else ins + outs  # hidden inputs first: they were there before
             self.monitor.add_tensors([key for key, _, _ in rows], [t for _, t, _ in rows],
-                                     same=[prior for _, _, prior in rows])
+                                     same=[prior for _, _, prior in rows], later=True)
             if self.grads and self.flow.graph is not None:
                 for key, t, prior in ins:
                     if prior is None:
