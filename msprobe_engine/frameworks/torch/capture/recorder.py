@@ -257,7 +257,7 @@ class Recorder(DumpRecorder):
         if kind != "none":
             row = self.stats.row(tensor.abs() if dtype.is_complex else tensor)
         copied = self.copies and not tensor.is_meta
-        slot = TensorSlot(dtype_name(dtype), tensor.shape, tensor.requires_grad, kind, row,
+        slot = TensorSlot(dtype_name(dtype), tuple(tensor.shape), tensor.requires_grad, kind, row,
                           f"{name}.pt" if copied and self.save_tensors else None)
         if self.xor and kind != "none" and not tensor.is_meta:
             self._checksums.append((slot, xor_words(tensor)))
