@@ -300,3 +300,28 @@ def test_an_in_place_call_on_a_module_output_sends_one_gradient_at_mix(tmp_path)
         counts[level] = len(entry["output"])
         assert entry["output"][0] == entry["input"][0]
     assert counts == {"mix": 1, "L1": 2}
+
+
+@pytest.mark.parametrize("summary_mode", ["statistics", "md5"])
+def test_a_tensor_value_recorded_again_shares_its_slot_unless_slots_are_written_later(tmp_path, monkeypatch,
+                                                                                      summary_mode):
+    from msprobe_engine.frameworks.torch.capture.recorder import Recorder
+
+    steps = []
+    finish = Recorder.finish_step
+    monkeypatch.setattr(Recorder, "finish_step", lambda self: steps.append(finish(self)) or steps[-1])
+    debugger = PrecisionDebugger({"dump_path": str(tmp_path), "level": "L1", "summary_mode": summary_mode})
+    x = torch.randn(4, 4)
+    with debugger.step_scope():
+        y = torch.relu(x)
+        torch.sigmoid(y)  # y as it was returned
+        y.mul_(2)
+        torch.tanh(y)  # y changed in place: a value of its own
+    debugger.close()
+    entries = steps[0].entries
+    returned = entries["Torch.relu.0.forward"]["output"][0]
+    read, written = (entries[f"Torch.{n}.0.forward"]["input_args"][0] for n in ("sigmoid", "tanh"))
+    assert (read is returned) == (summary_mode == "statistics")  # md5: each slot gets its checksum later
+    assert written is not returned and written.row != returned.row
+    records = next(iter(load_dump(tmp_path).values())).data
+    assert records["Torch.sigmoid.0.forward"]["input_args"][0] == records["Torch.relu.0.forward"]["output"][0]

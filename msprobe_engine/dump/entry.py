@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -172,5 +172,14 @@ def render_entries(entries: dict[str, Any], host_rows: np.ndarray, framework: st
                    special: Special | None = None) -> dict[str, Any]:
     """Render every entry of a step (``data`` of dump.json) in `framework`'s format, keeping their
     order; `special`: see `StatColumns`."""
+    return dict(rendered_entries(entries, host_rows, framework, special))
+
+
+def rendered_entries(entries: dict[str, Any], host_rows: np.ndarray, framework: str = "pytorch",
+                     special: Special | None = None) -> Iterator[tuple[str, Any]]:
+    """`render_entries` one entry at a time, in order: a writer that encodes each as it comes
+    holds one rendered entry at a time (a step's records are not all alive at once, which keeps
+    the garbage collector's young generations small)."""
     columns = StatColumns(host_rows, FORMATS[framework], special)
-    return {name: render(skeleton, columns) for name, skeleton in entries.items()}
+    for name, skeleton in entries.items():
+        yield name, render(skeleton, columns)

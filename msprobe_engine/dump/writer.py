@@ -25,12 +25,12 @@ import shutil
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import orjson
 
-from msprobe_engine.dump.entry import TensorSlot, render_entries
+from msprobe_engine.dump.entry import TensorSlot, rendered_entries
 from msprobe_engine.dump.reader import CONSTRUCT_JSON, DUMP_JSON, STACK_JSON, TENSOR_DIR
 from msprobe_engine.dump.schema import iter_dump_tensors
 from msprobe_engine.dump.task import DUMP_TASKS
@@ -90,12 +90,14 @@ def json_special(value: float) -> orjson.Fragment:
 _SPECIAL = {text: orjson.Fragment(text.encode()) for text in ("NaN", "Infinity", "-Infinity")}
 
 
-def dump_json_text(meta: dict[str, Any], data: dict[str, Any]) -> bytes:
+def dump_json_text(meta: dict[str, Any], data: dict[str, Any] | Iterable[tuple[str, Any]]) -> bytes:
     """dump.json (UTF-8): the top-level keys, then one line per entry (C-encoded by orjson; NaN and
-    Infinity as in the reference where `data` holds them as `json_special` fragments)."""
+    Infinity as in the reference where `data` holds them as `json_special` fragments). `data`: the
+    entries, or (name, entry) pairs (each encoded as it comes)."""
     dumps = orjson.dumps
     head = b"".join(b" %s: %s,\n" % (dumps(key), dumps(value)) for key, value in meta.items())
-    body = b",\n".join(b"  %s: %s" % (dumps(name), dumps(entry)) for name, entry in data.items())
+    pairs = data.items() if isinstance(data, dict) else data
+    body = b",\n".join(b"  %s: %s" % (dumps(name), dumps(entry)) for name, entry in pairs)
     return b"{\n" + head + b' "data": {\n' + body + (b"\n" if body else b"") + b" }\n}\n"
 
 
@@ -271,10 +273,10 @@ class StepFiles:
         if self.failure is not None:
             raise StepIncomplete(self.failure)
         self._prepare()
-        data = render_entries(entries, host_rows, meta.get("framework", "pytorch"), json_special)
+        data = rendered_entries(entries, host_rows, meta.get("framework", "pytorch"), json_special)
         if _saves_tensors(meta.get("task")):
             meta = {**meta, "dump_data_dir": str((self.final / TENSOR_DIR).resolve())}
-            self._check_listed(data)
+            data = self._checked(data)
         write_file(self.partial / DUMP_JSON, dump_json_text(meta, data))
         if stacks is not None:
             write_file(self.partial / STACK_JSON, json_document(stack_document(stacks, self.legacy)))
@@ -287,13 +289,15 @@ class StepFiles:
         os.replace(self.partial, self.final)
         return self.final
 
-    def _check_listed(self, data: dict[str, Any]) -> None:
-        """Every data_name of the step's entries is a file written whole: saved without an error
-        and found on disk right after (`sizes`; its size is not read a second time)."""
-        for ref in iter_dump_tensors({"data": data}):
-            name = ref.record.get("data_name")
-            if name is not None and name not in self.sizes:
-                raise StepIncomplete(f"{ref.entry} {ref.label}: {name} was not written")
+    def _checked(self, data: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """`data`'s entries as they come, each data_name of them checked to be a file written whole:
+        saved without an error and found on disk right after (`sizes`; its size is not read a second time)."""
+        for name, entry in data:
+            for ref in iter_dump_tensors({"data": {name: entry}}):
+                data_name = ref.record.get("data_name")
+                if data_name is not None and data_name not in self.sizes:
+                    raise StepIncomplete(f"{ref.entry} {ref.label}: {data_name} was not written")
+            yield name, entry
 
     def discard(self) -> None:
         """Remove the files of a dropped step (on the writer thread, or after it stopped), and

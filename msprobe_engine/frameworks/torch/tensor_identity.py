@@ -17,19 +17,27 @@ def version(tensor: torch.Tensor) -> int:
 
 class KnownTensors:
     """Values attached to tensors by identity and version (a weak reference, so no tensor
-    is kept alive): `get` answers only for the same object at the same version."""
+    is kept alive): `get` answers only for the same object at the same version. The weak
+    references sit apart from the (version, value) pairs, so that a pair of plain values is not
+    tracked by the garbage collector (a step records thousands of tensors)."""
 
     def __init__(self) -> None:
-        self._items: dict[int, tuple[weakref.ref, int, Any]] = {}
+        self._items: dict[int, tuple[int, Any]] = {}
+        self._refs: dict[int, weakref.ref] = {}
 
     def get(self, tensor: torch.Tensor, now: int) -> Any:
-        known = self._items.get(id(tensor))
-        if known is not None and known[1] == now and known[0]() is tensor:
-            return known[2]
+        key = id(tensor)
+        known = self._items.get(key)
+        if known is not None and known[0] == now and self._refs[key]() is tensor:
+            return known[1]
         return None
 
     def put(self, tensor: torch.Tensor, now: int, value: Any) -> None:
-        self._items[id(tensor)] = (weakref.ref(tensor), now, value)
+        key = id(tensor)
+        self._items[key] = (now, value)
+        self._refs[key] = weakref.ref(tensor)
 
     def forget(self, tensor: torch.Tensor) -> None:
-        self._items.pop(id(tensor), None)
+        key = id(tensor)
+        self._items.pop(key, None)
+        self._refs.pop(key, None)

@@ -25,6 +25,8 @@ from msprobe_engine.frameworks.torch.tensor_identity import KnownTensors, versio
 class HeldTensorsRecorder(Recorder):
     """Base of the recorders that keep chosen calls; subclasses implement `choose`."""
 
+    shares_slots = False  # a chosen entry's slots are named (data_name) after the step
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._held: list[tuple[TensorSlot, torch.Tensor, str]] = []
         self._clones = KnownTensors()

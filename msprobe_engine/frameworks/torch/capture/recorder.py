@@ -150,6 +150,10 @@ class _Guard:
 class Recorder(DumpRecorder):
     """Collects one step at a time; `active` is switched by the session (start/stop)."""
 
+    #: whether slots may be shared by the records of one tensor value (False where a slot is
+    #: written after its call: a held tensor's data_name, a diff_check md5)
+    shares_slots = True
+
     def __init__(self, ctx: RecorderContext) -> None:
         """`ctx.operators`: the `OperatorNames` telling ``x + y`` (``Tensor.__add__``) from ``x.add(y)``."""
         super().__init__(ctx)
@@ -162,6 +166,9 @@ class Recorder(DumpRecorder):
         self.save_tensors = config.task == "tensor"
         self.copies = self.save_tensors or config.summary_mode == "md5"
         self.xor = config.summary_mode == "xor"  # on-device checksums, read with the statistics
+        #: a tensor value recorded again (same object, same version: the same row) gets the same
+        #: slot, unless slots are written later (copies: data_name and md5; xor: md5)
+        self._share = self.shares_slots and not (self.copies or self.xor)
         self.active = False
         self._lock = threading.RLock()
         self._step_id = 0
@@ -185,6 +192,7 @@ class Recorder(DumpRecorder):
         self._items: TensorItems = []
         self._item_bytes = 0
         self._checksums: list[tuple[TensorSlot, torch.Tensor]] = []
+        self._row_slots: dict[int, TensorSlot] = {}  # row -> its slot (`_share`)
         self._flush_task: int | None = None
         self.sel.new_step()
         self.stats.reset()
@@ -256,9 +264,15 @@ class Recorder(DumpRecorder):
         row = -1
         if kind != "none":
             row = self.stats.row(tensor.abs() if dtype.is_complex else tensor)
+            if self._share:
+                known = self._row_slots.get(row)
+                if known is not None and known.requires_grad == tensor.requires_grad:
+                    return known
         copied = self.copies and not tensor.is_meta
-        slot = TensorSlot(dtype_name(dtype), tensor.shape, tensor.requires_grad, kind, row,
+        slot = TensorSlot(dtype_name(dtype), tuple(tensor.shape), tensor.requires_grad, kind, row,
                           f"{name}.pt" if copied and self.save_tensors else None)
+        if self._share and row >= 0:
+            self._row_slots[row] = slot
         if self.xor and kind != "none" and not tensor.is_meta:
             self._checksums.append((slot, xor_words(tensor)))
         if copied:
