@@ -20,6 +20,8 @@ only make CUDA-only allocations land on the CPU; none of them is needed on GPUs:
    kernel package: `grouped_gemm_util` gets a plain-torch `gmm` (one matmul per expert's rows);
    `GroupedMLP.forward` asserts `config.bf16` (the kernel's only dtype), so each GroupedMLP gets
    a copy of the config saying bf16 while the model stays float32.
+8. `TorchFullyShardedDataParallel` builds its device mesh with `DeviceMesh.from_group(group,
+   "cuda")`: while it is built, the mesh is made on the CPU (`wrap_torch_fsdp`).
 MoE models use the `allgather` token dispatcher (`alltoall` creates CUDA streams).
 `train_step` is the shape of Megatron-LM's: forward and backward over the
 micro-batches (pipeline stages exchange activations with send/recv, one
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import os
 import zlib
 from dataclasses import dataclass
@@ -38,9 +41,12 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed import DeviceMesh
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core import utils as megatron_utils
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                       TorchFullyShardedDataParallel, finalize_model_grads,
+                                       torch_fully_sharded_data_parallel)
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import ChainedOptimizer, OptimizerConfig
@@ -249,6 +255,36 @@ def wrap_ddp(model: GPTModel, distributed_optimizer: bool = False,
     ddp = DistributedDataParallel(model.config, ddp_config, model)
     model.config.finalize_model_grads_func = finalize_model_grads
     return ddp
+
+
+def wrap_torch_fsdp(model: GPTModel) -> TorchFullyShardedDataParallel:
+    """Megatron's torch-FSDP2 wrapper over the data-parallel group, as Megatron-LM's
+    `--use-torch-fsdp2 --transformer-impl local` builds it (patch 8 while it is built)."""
+    model.config.transformer_impl = "local"  # the local layer spec: the output layer is not wrapped apart
+    module = torch_fully_sharded_data_parallel
+    mesh_type = module.DeviceMesh
+    module.DeviceMesh = _CpuDeviceMesh
+    try:
+        fsdp = TorchFullyShardedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    finally:
+        module.DeviceMesh = mesh_type
+    model.config.finalize_model_grads_func = finalize_model_grads
+    return fsdp
+
+
+def torch_fsdp_trains() -> bool:
+    """Whether Megatron's own `finalize_model_grads` can run on a `TorchFullyShardedDataParallel`:
+    megatron-core 0.16.1's passes `finish_grad_sync(force_all_reduce=...)`, which its
+    TorchFullyShardedDataParallel does not take (a TypeError, on any device); 0.19 takes it."""
+    return "force_all_reduce" in inspect.signature(TorchFullyShardedDataParallel.finish_grad_sync).parameters
+
+
+class _CpuDeviceMesh:
+    """Patch 8: what `TorchFullyShardedDataParallel` reads of `DeviceMesh`, on the CPU."""
+
+    @staticmethod
+    def from_group(group, device_type: str, *args, **kwargs):
+        return DeviceMesh.from_group(group, "cpu", *args, **kwargs)
 
 
 @contextlib.contextmanager

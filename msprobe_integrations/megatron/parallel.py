@@ -10,7 +10,8 @@ Per row, the merge is exact:
 - a parameter's gradient, weight or optimizer state: merged over TP when the
   parameter is partitioned (`tensor_model_parallel`), taken once when it is
   replicated (layer norms, biases of row-parallel layers); merged over DP when
-  the distributed optimizer shards it, taken once when DP ranks hold copies;
+  the distributed optimizer or torch FSDP2 (`TorchFullyShardedDataParallel`: DTensors,
+  measured on this rank's shard) shards it, taken once when DP ranks hold copies;
 - an activation, activation gradient or the loss: merged over DP (each rank saw
   other data); over TP it is taken once when every rank measured the very same
   bits (a replicated tensor) and merged otherwise (a partitioned one: the output
@@ -59,8 +60,10 @@ class Layout:
 
     @classmethod
     def of(cls, chunks: Sequence[Chunk]) -> "Layout":
-        """The groups of the first DDP-wrapped chunk, else those of `parallel_state`."""
+        """The groups of the first DDP-wrapped chunk, else those of `parallel_state` (with the
+        data-parallel group a `TorchFullyShardedDataParallel` shards over)."""
         ddp = next((c.ddp for c in chunks if c.ddp is not None), None)
+        fsdp = next((c.fsdp for c in chunks if c.fsdp is not None), None)
         initialized = dist.is_initialized() and parallel_state.model_parallel_is_initialized()
         # (checked against the groups it must hold by the merge: `NestedMerge`)
         stage = parallel_state.get_tensor_and_data_parallel_group(
@@ -71,6 +74,7 @@ class Layout:
         if not initialized:
             return cls(None, None)
         return cls(parallel_state.get_tensor_model_parallel_group(),
+                   fsdp.process_group if fsdp is not None else
                    parallel_state.get_data_parallel_group(with_context_parallel=True),
                    parallel_state.get_pipeline_model_parallel_world_size(),
                    parallel_state.get_expert_model_parallel_group(check_initialized=False),
