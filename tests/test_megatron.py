@@ -98,18 +98,18 @@ def _counting_gathers() -> Iterator[list[int]]:
 
 def _train(out: str, name: str, batches_of, *, distributed_optimizer: bool = False,
            reference: bool = False, nan_step: int | None = None, local_norm: bool = False,
-           torch_fsdp: bool = False) -> dict:
+           torch_fsdp: bool = False, spec=None) -> dict:
     """Train STEPS (+1 with `nan_step`) steps of the tiny GPT under a MegatronMonitor.
     `local_norm`: Megatron's grad norm is reduced over a group of this rank alone (the
     tensor-parallel group, of size 1 here) instead of every rank: with the distributed
     optimizer, the norm of this rank's shard only. `torch_fsdp`: wrapped in Megatron's
-    TorchFullyShardedDataParallel instead of its DDP."""
+    TorchFullyShardedDataParallel instead of its DDP. `spec`: the model (default `TinySpec()`)."""
     from megatron.core import parallel_state
     from tests import megatron_helpers as H
     from msprobe_integrations.megatron import MegatronMonitor
 
-    model = H.wrap_torch_fsdp(H.build_gpt()) if torch_fsdp else \
-        H.wrap_ddp(H.build_gpt(), distributed_optimizer=distributed_optimizer)
+    gpt = H.build_gpt(spec or H.TinySpec())
+    model = H.wrap_torch_fsdp(gpt) if torch_fsdp else H.wrap_ddp(gpt, distributed_optimizer=distributed_optimizer)
     optimizer = H.build_optimizer([model])
     if local_norm:
         optimizer.chained_optimizers[0].grad_stats_parallel_group = parallel_state.get_tensor_model_parallel_group()
@@ -240,10 +240,26 @@ def _bad_input(out: str) -> dict:
     return {"errors": errors, "warnings": warnings}
 
 
+def _expert_context_error(out: str) -> str:
+    """Expert parallelism with context parallelism: refused when the monitor is built."""
+    from tests import megatron_helpers as H
+    from msprobe_integrations.megatron import MegatronMonitor
+
+    H.init_parallel(cp=2, ep=2)
+    model = H.wrap_ddp(H.build_gpt(H.TinySpec(hidden=32, experts=2, attention=False)))
+    try:
+        MegatronMonitor([model], H.build_optimizer([model]), config=_config(out, "ep_cp"))
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
 def world1(rank: int, world: int, out: str) -> dict:
     from tests import megatron_helpers as H
     H.init_parallel()
-    return {"main": _train(out, "world1", _batches, reference=True), "nan_check": _nan_check_run(out),
+    return {"main": _train(out, "world1", _batches, reference=True),
+            "attention_free": _train(out, "attention_free", _batches, reference=True, spec=H.TinySpec(attention=False)),
+            "nan_check": _nan_check_run(out),
             "rerun_exit": _rerun_exit_run(out), "skip": _skip_run(out), "bad_input": _bad_input(out)}
 
 
@@ -263,6 +279,9 @@ def world2(rank: int, world: int, out: str) -> dict:
                                         reference=True, torch_fsdp=True)
     H.init_parallel(pp=2)
     results["pp2"] = _train(out, "pp2", _batches, nan_step=STEPS)
+    H.init_parallel(cp=2)  # each rank half of every sequence (Megatron's attention needs TE under CP)
+    results["cp2"] = _train(out, "cp2", _batches, spec=H.TinySpec(attention=False))
+    results["ep_cp_error"] = _expert_context_error(out)
     return results
 
 
@@ -389,6 +408,36 @@ def test_torch_fsdp2_equals_the_gathered_truth(single, pair):
         assert run["gathers"] == STEPS
         assert all(s["micro_steps"] == 1 for s in run["steps"])
     assert untimed(pair[0]["torch_fsdp2"]["steps"][-1]["metrics"]) == untimed(pair[1]["torch_fsdp2"]["steps"][-1]["metrics"])
+
+
+def test_context_parallel_equals_the_full_sequence(single, pair):
+    """CP=2 (each rank holds half of every sequence, cut as Megatron-LM's get_batch_on_this_cp_rank
+    does) on a GPT whose layers have no self-attention: gradients, Adam's exp_avg, activations and
+    the loss equal the single-process run on whole sequences; activation gradients are twice the
+    single process's (each CP rank's loss is the mean over its half, as Megatron-LM's loss_func
+    makes it; DDP then averages the parameter gradients over CP), with the same counts. A bias
+    returned apart (`output.1`, the same on both CP ranks) is taken once."""
+    ref = single["attention_free"]
+    for rank_result in pair:
+        run = rank_result["cp2"]
+        _assert_matches_reference(run, ref)
+        _assert_same_activations(run, ref)
+        for got, want in zip(run["steps"], ref["steps"]):
+            metrics = got["metrics"]
+            assert any(tag.endswith("/output.1/norm") for tag in metrics if tag.startswith("actv/"))
+            assert _close(metrics["grad/global/norm"], _reference_norm(want))
+            assert _close(got["megatron_grad_norm"], _reference_norm(want))
+            assert metrics["train/loss"] == pytest.approx(want["loss"], rel=RTOL)
+            grads = [tag for tag in metrics if tag.startswith("actv_grad/") and tag.endswith("/norm")]
+            assert grads
+            for tag in grads:
+                assert _close(metrics[tag], 2 * want["metrics"][tag]), tag
+                assert metrics[tag[:-len("norm")] + "numel"] == want["metrics"][tag[:-len("norm")] + "numel"], tag
+        assert not _misreported(run)
+        assert run["gathers"] == STEPS
+        assert all(s["micro_steps"] == 2 for s in run["steps"])
+    assert untimed(pair[0]["cp2"]["steps"][-1]["metrics"]) == untimed(pair[1]["cp2"]["steps"][-1]["metrics"])
+    assert "expert parallelism (2) with context parallelism (2): not supported" in pair[0]["ep_cp_error"]
 
 
 def _misreported(run: dict) -> list[int]:
