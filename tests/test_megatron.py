@@ -1,8 +1,10 @@
-"""MegatronMonitor on real megatron-core 0.16.1 (CPU, gloo, tiny GPTModel; see megatron_helpers).
+"""MegatronMonitor on real megatron-core (0.16.1; 0.19.2 in the 3.12 lane; CPU, gloo, tiny GPTModel;
+see megatron_helpers).
 
-Two process launches: world 1 (the single-process reference, Megatron's nan check in
-both re-run modes, bad input) and world 2 (TP=2, DP=2 with and without the
-distributed optimizer, PP=2), each running several configurations in turn. Tolerances: statistics are
+Two process launches: world 1 (the single-process references, with and without self-attention,
+Megatron's nan check in both re-run modes, bad input) and world 2 (TP=2, DP=2 with and without the
+distributed optimizer, torch FSDP2 (0.19.2), PP=2, CP=2 without self-attention, the EP x CP
+refusal), each running several configurations in turn. Tolerances: statistics are
 accumulated in float32 and merged in float64, so norms of the same gradients
 computed from a different split agree to a relative 1e-5.
 """
