@@ -20,6 +20,8 @@ only make CUDA-only allocations land on the CPU; none of them is needed on GPUs:
    kernel package: `grouped_gemm_util` gets a plain-torch `gmm` (one matmul per expert's rows);
    `GroupedMLP.forward` asserts `config.bf16` (the kernel's only dtype), so each GroupedMLP gets
    a copy of the config saying bf16 while the model stays float32.
+8. `TorchFullyShardedDataParallel` builds its device mesh with `DeviceMesh.from_group(group,
+   "cuda")`: while it is built, the mesh is made on the CPU (`wrap_torch_fsdp`).
 MoE models use the `allgather` token dispatcher (`alltoall` creates CUDA streams).
 `train_step` is the shape of Megatron-LM's: forward and backward over the
 micro-batches (pipeline stages exchange activations with send/recv, one
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import os
 import zlib
 from dataclasses import dataclass
@@ -38,9 +41,12 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed import DeviceMesh
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core import utils as megatron_utils
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                       TorchFullyShardedDataParallel, finalize_model_grads,
+                                       torch_fully_sharded_data_parallel)
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import ChainedOptimizer, OptimizerConfig
@@ -48,7 +54,9 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import FP32Optimizer
 from megatron.core.rerun_state_machine import (RerunMode, destroy_rerun_state_machine, get_rerun_state_machine,
                                                 initialize_rerun_state_machine)
+from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from tests.multiproc import free_port
@@ -67,6 +75,9 @@ class TinySpec:
     capacity: float | None = None  # MoE: Megatron's moe_expert_capacity_factor (None: no capacity)
     grouped: bool = False  # MoE: grouped-GEMM experts (GroupedMLP, megatron-core 0.16; patch 7)
     aux_loss: float = 0.0  # MoE: > 0, the coefficient of Megatron's load-balancing loss ("aux_loss")
+    #: False: no self-attention in the layers (Megatron's `IdentityOp` in its place), the one way
+    #: to run context parallelism without Transformer Engine (see `attention_free`)
+    attention: bool = True
 
 
 def patch_for_cpu() -> None:
@@ -113,7 +124,7 @@ def _cpu_buffer_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None) 
 
 
 def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234,
-                  rerun_mode: RerunMode = RerunMode.DISABLED, ep: int = 1) -> None:
+                  rerun_mode: RerunMode = RerunMode.DISABLED, ep: int = 1, cp: int = 1) -> None:
     """gloo process group (from the RANK/WORLD_SIZE/MASTER_* environment), Megatron's groups
     and its re-run engine."""
     patch_for_cpu()
@@ -125,7 +136,7 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234,
         dist.init_process_group("gloo")
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             expert_model_parallel_size=ep)
+                                             expert_model_parallel_size=ep, context_parallel_size=cp)
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)  # patch 1
     torch.manual_seed(seed)
     fresh_rerun_engine(rerun_mode)
@@ -142,6 +153,7 @@ def build_gpt(spec: TinySpec = TinySpec(), seed: int = 1234) -> GPTModel:
     config = TransformerConfig(
         num_layers=spec.layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         pipeline_dtype=torch.float32, use_cpu_initialization=True, gradient_accumulation_fusion=False,
         persist_layer_norm=False, bias_activation_fusion=False, bias_dropout_fusion=False,
@@ -151,6 +163,8 @@ def build_gpt(spec: TinySpec = TinySpec(), seed: int = 1234) -> GPTModel:
         _plain_grouped_gemm()
     layer_spec = get_gpt_layer_local_spec(**({"num_experts": spec.experts, "moe_grouped_gemm": spec.grouped}
                                               if spec.experts else {}))
+    if not spec.attention:
+        layer_spec = attention_free(layer_spec)
     model = GPTModel(config, layer_spec, vocab_size=spec.vocab, max_sequence_length=spec.seq,
                      pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage())
@@ -158,6 +172,26 @@ def build_gpt(spec: TinySpec = TinySpec(), seed: int = 1234) -> GPTModel:
         _grouped_on_cpu(model)
     _init_by_global_name(model, seed)
     return model
+
+
+def attention_free(layer_spec: ModuleSpec) -> ModuleSpec:
+    """The layer spec without self-attention (its norm, attention and residual add Megatron's
+    placeholders): Megatron's only core attention without Transformer Engine, `DotProductAttention`,
+    asserts `context_parallel_size == 1`; every other module of the layer works token by token,
+    so context parallelism runs."""
+    submodules = dataclasses.replace(layer_spec.submodules, input_layernorm=IdentityOp,
+                                     self_attention=IdentityOp, self_attn_bda=IdentityFuncOp)
+    return dataclasses.replace(layer_spec, submodules=submodules)
+
+
+def cp_slice(tensor: torch.Tensor) -> torch.Tensor:
+    """This context-parallel rank's part of a [batch, sequence] tensor, cut as Megatron-LM's
+    `get_batch_on_this_cp_rank` does: 2 x CP chunks, rank r taking chunks r and 2 x CP - 1 - r."""
+    cp, rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
+    if cp == 1:
+        return tensor
+    chunks = tensor.chunk(2 * cp, dim=1)
+    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=1)
 
 
 def _moe(spec: TinySpec) -> dict:
@@ -251,6 +285,36 @@ def wrap_ddp(model: GPTModel, distributed_optimizer: bool = False,
     return ddp
 
 
+def wrap_torch_fsdp(model: GPTModel) -> TorchFullyShardedDataParallel:
+    """Megatron's torch-FSDP2 wrapper over the data-parallel group, as Megatron-LM's
+    `--use-torch-fsdp2 --transformer-impl local` builds it (patch 8 while it is built)."""
+    model.config.transformer_impl = "local"  # the local layer spec: the output layer is not wrapped apart
+    module = torch_fully_sharded_data_parallel
+    mesh_type = module.DeviceMesh
+    module.DeviceMesh = _CpuDeviceMesh
+    try:
+        fsdp = TorchFullyShardedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    finally:
+        module.DeviceMesh = mesh_type
+    model.config.finalize_model_grads_func = finalize_model_grads
+    return fsdp
+
+
+def torch_fsdp_trains() -> bool:
+    """Whether Megatron's own `finalize_model_grads` can run on a `TorchFullyShardedDataParallel`:
+    megatron-core 0.16.1's passes `finish_grad_sync(force_all_reduce=...)`, which its
+    TorchFullyShardedDataParallel does not take (a TypeError, on any device); 0.19 takes it."""
+    return "force_all_reduce" in inspect.signature(TorchFullyShardedDataParallel.finish_grad_sync).parameters
+
+
+class _CpuDeviceMesh:
+    """Patch 8: what `TorchFullyShardedDataParallel` reads of `DeviceMesh`, on the CPU."""
+
+    @staticmethod
+    def from_group(group, device_type: str, *args, **kwargs):
+        return DeviceMesh.from_group(group, "cpu", *args, **kwargs)
+
+
 @contextlib.contextmanager
 def cuda_type_names() -> Iterator[None]:
     """Patch 5, only while a Megatron optimizer is constructed."""
@@ -334,10 +398,11 @@ def train_step(model: DistributedDataParallel, optimizer: ChainedOptimizer, batc
 
 def _forward_backward(model: DistributedDataParallel, tokens: torch.Tensor, count: int,
                       check_nan: bool) -> torch.Tensor | None:
+    position_ids = cp_slice(torch.arange(tokens.shape[1]).expand_as(tokens))
+    labels = cp_slice((tokens + 1) % model.module.vocab_size)
+    tokens = cp_slice(tokens)
     seq = tokens.shape[1]
-    position_ids = torch.arange(seq).expand_as(tokens)
     mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)[None, None]
-    labels = (tokens + 1) % model.module.vocab_size
     first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
     received = None
     if not first:

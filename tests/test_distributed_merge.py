@@ -133,6 +133,13 @@ def _grid(rank: int, world: int) -> dict:
         at_once = whole(keys, every[rank].clone())
         one_call = len(calls)
         by_group = chain(keys, every[rank].clone())
+        chain_calls = len(calls) - one_call
+        # AUTO over both parts (tensor, then context parallel): not in one pair, group by group
+        both = [(group, what, lambda key: AUTO) for group, what, _ in parts]
+        before = len(calls)
+        auto_twice = NestedMerge(both, stage=dist.group.WORLD)(keys, every[rank].clone())
+        auto_calls = len(calls) - before
+        auto_chain = NestedMerge(both)(keys, every[rank].clone())
     finally:
         torch_distributed._all_reduce = original
     spread = RankSpread.of(whole.last.spread.tolist())
@@ -143,8 +150,9 @@ def _grid(rank: int, world: int) -> dict:
     dist.destroy_process_group()
     return {"holder": spread.nonfinite_holder(), "most": spread.get("nonfinite", "max"), "world": spread.world,
             "holders": spread.values["holders"], "nan_count": at_once[0, P_NAN].item(),
-            "calls": (one_call, len(calls) - one_call), "whole_group": whole_group,
+            "calls": (one_call, chain_calls), "whole_group": whole_group,
             "at_once": at_once.tolist(), "by_group": by_group.tolist(), "mixed": mixed,
+            "auto_twice": (auto_calls, bool(((auto_twice == auto_chain) | (auto_twice.isnan() & auto_chain.isnan())).all())),
             "chain_spread": RankSpread.of(chain.last.spread.tolist()).values, "spread": spread.values}
 
 
@@ -173,6 +181,7 @@ def test_two_groups_merge_in_one_pair_of_all_reduces_as_group_by_group(grid):
         rows = [i for i in range(len(at_once)) if i not in result["mixed"]]
         bad = [(rows[i], c) for i, c in (~same[rows]).nonzero().tolist() if c not in (P_SUM, P_SUMSQ)]
         assert not bad, bad  # counts, minima, maxima, once/auto choices bit-identical
+        assert result["auto_twice"] == (4, True)  # a pair per part, as without a stage
         # float sums: 4 terms of |x| < 10, added in gloo's order: a few units in the last place
         assert torch.allclose(at_once[rows], by_group[rows], rtol=0, atol=1e-14, equal_nan=True)
         assert result["mixed"]

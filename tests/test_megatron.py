@@ -1,8 +1,10 @@
-"""MegatronMonitor on real megatron-core 0.16.1 (CPU, gloo, tiny GPTModel; see megatron_helpers).
+"""MegatronMonitor on real megatron-core (0.16.1; 0.19.2 in the 3.12 lane; CPU, gloo, tiny GPTModel;
+see megatron_helpers).
 
-Two process launches: world 1 (the single-process reference, Megatron's nan check in
-both re-run modes, bad input) and world 2 (TP=2, DP=2 with and without the
-distributed optimizer, PP=2), each running several configurations in turn. Tolerances: statistics are
+Two process launches: world 1 (the single-process references, with and without self-attention,
+Megatron's nan check in both re-run modes, bad input) and world 2 (TP=2, DP=2 with and without the
+distributed optimizer, torch FSDP2 (0.19.2), PP=2, CP=2 without self-attention, the EP x CP
+refusal), each running several configurations in turn. Tolerances: statistics are
 accumulated in float32 and merged in float64, so norms of the same gradients
 computed from a different split agree to a relative 1e-5.
 """
@@ -49,18 +51,31 @@ def _batches(step: int) -> list:
     return H.micro_batches(H.TinySpec(), 2, seed=step)
 
 
+def _full(tensor):
+    """The whole tensor: a DTensor (torch FSDP2's shards) gathered, in float64."""
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).double()
+
+
 def _grad_reference(model) -> dict:
-    """Full-precision statistics of every parameter's reduced gradient (DDP's main_grad)."""
+    """Full-precision statistics of every parameter's reduced gradient (DDP's main_grad, FSDP2's
+    sharded .grad gathered)."""
     out = {}
     for name, p in model.module.named_parameters():
-        g = p.main_grad.double()
+        g = _full(p.main_grad if hasattr(p, "main_grad") else p.grad)
         out[name] = {"norm": g.norm().item(), "numel": g.numel(), "min": g.min().item(), "max": g.max().item()}
     return out
 
 
 def _exp_avg_reference(model, optimizer) -> dict:
     inner = optimizer.chained_optimizers[0].optimizer
-    return {name: inner.state[p]["exp_avg"].double().norm().item() for name, p in model.module.named_parameters()}
+    return {name: _full(inner.state[p]["exp_avg"]).norm().item() for name, p in model.module.named_parameters()}
+
+
+def _after_step_reference(model, optimizer) -> dict:
+    """The norms of every weight and of Adam's exp_avg_sq after the step, gathered."""
+    inner = optimizer.chained_optimizers[0].optimizer
+    return {name: {"param": _full(p.detach()).norm().item(), "exp_avg_sq": _full(inner.state[p]["exp_avg_sq"]).norm().item()}
+            for name, p in model.module.named_parameters()}
 
 
 @contextlib.contextmanager
@@ -84,16 +99,19 @@ def _counting_gathers() -> Iterator[list[int]]:
 
 
 def _train(out: str, name: str, batches_of, *, distributed_optimizer: bool = False,
-           reference: bool = False, nan_step: int | None = None, local_norm: bool = False) -> dict:
+           reference: bool = False, nan_step: int | None = None, local_norm: bool = False,
+           torch_fsdp: bool = False, spec=None) -> dict:
     """Train STEPS (+1 with `nan_step`) steps of the tiny GPT under a MegatronMonitor.
     `local_norm`: Megatron's grad norm is reduced over a group of this rank alone (the
     tensor-parallel group, of size 1 here) instead of every rank: with the distributed
-    optimizer, the norm of this rank's shard only."""
+    optimizer, the norm of this rank's shard only. `torch_fsdp`: wrapped in Megatron's
+    TorchFullyShardedDataParallel instead of its DDP. `spec`: the model (default `TinySpec()`)."""
     from megatron.core import parallel_state
     from tests import megatron_helpers as H
     from msprobe_integrations.megatron import MegatronMonitor
 
-    model = H.wrap_ddp(H.build_gpt(), distributed_optimizer=distributed_optimizer)
+    gpt = H.build_gpt(spec or H.TinySpec())
+    model = H.wrap_torch_fsdp(gpt) if torch_fsdp else H.wrap_ddp(gpt, distributed_optimizer=distributed_optimizer)
     optimizer = H.build_optimizer([model])
     if local_norm:
         optimizer.chained_optimizers[0].grad_stats_parallel_group = parallel_state.get_tensor_model_parallel_group()
@@ -110,7 +128,8 @@ def _train(out: str, name: str, batches_of, *, distributed_optimizer: bool = Fal
             steps.append({"metrics": record.metrics, "alerts": [a.as_dict() for a in record.alerts],
                           "micro_steps": record.micro_steps, "megatron_grad_norm": grad_norm,
                           "loss": None if loss is None else float(loss), **ref,
-                          **({"exp_avg": _exp_avg_reference(model, optimizer)} if reference else {})})
+                          **({"exp_avg": _exp_avg_reference(model, optimizer),
+                              "after_step": _after_step_reference(model, optimizer)} if reference else {})})
     monitor.close()
     return {"steps": steps, "gathers": gathers[0]}
 
@@ -223,10 +242,26 @@ def _bad_input(out: str) -> dict:
     return {"errors": errors, "warnings": warnings}
 
 
+def _expert_context_error(out: str) -> str:
+    """Expert parallelism with context parallelism: refused when the monitor is built."""
+    from tests import megatron_helpers as H
+    from msprobe_integrations.megatron import MegatronMonitor
+
+    H.init_parallel(cp=2, ep=2)
+    model = H.wrap_ddp(H.build_gpt(H.TinySpec(hidden=32, experts=2, attention=False)))
+    try:
+        MegatronMonitor([model], H.build_optimizer([model]), config=_config(out, "ep_cp"))
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
 def world1(rank: int, world: int, out: str) -> dict:
     from tests import megatron_helpers as H
     H.init_parallel()
-    return {"main": _train(out, "world1", _batches, reference=True), "nan_check": _nan_check_run(out),
+    return {"main": _train(out, "world1", _batches, reference=True),
+            "attention_free": _train(out, "attention_free", _batches, reference=True, spec=H.TinySpec(attention=False)),
+            "nan_check": _nan_check_run(out),
             "rerun_exit": _rerun_exit_run(out), "skip": _skip_run(out), "bad_input": _bad_input(out)}
 
 
@@ -241,8 +276,14 @@ def world2(rank: int, world: int, out: str) -> dict:
     results["dp2_replicated"] = _train(out, "dp2_replicated", lambda s: _batches(s)[rank:rank + 1])
     results["dp2_local_norm"] = _train(out, "dp2_local_norm", lambda s: _batches(s)[rank:rank + 1],
                                        distributed_optimizer=True, local_norm=True)
+    if H.torch_fsdp_trains():
+        results["torch_fsdp2"] = _train(out, "torch_fsdp2", lambda s: _batches(s)[rank:rank + 1],
+                                        reference=True, torch_fsdp=True)
     H.init_parallel(pp=2)
     results["pp2"] = _train(out, "pp2", _batches, nan_step=STEPS)
+    H.init_parallel(cp=2)  # each rank half of every sequence (Megatron's attention needs TE under CP)
+    results["cp2"] = _train(out, "cp2", _batches, spec=H.TinySpec(attention=False))
+    results["ep_cp_error"] = _expert_context_error(out)
     return results
 
 
@@ -341,6 +382,64 @@ def test_data_parallel_equals_single_process(single, pair, variant):
         _assert_same_activations(run, single["main"])  # each rank's micro-batch merged over DP
         assert run["gathers"] == STEPS
         assert all(s["micro_steps"] == 1 for s in run["steps"])
+
+
+def test_torch_fsdp2_equals_the_gathered_truth(single, pair):
+    """Megatron's TorchFullyShardedDataParallel (torch FSDP2 over DP=2, each rank one micro-batch):
+    every parameter's gradient, weight and Adam moments, measured on this rank's DTensor shard and
+    merged, equal the same tensors gathered whole (`full_tensor`) and the single-process run;
+    activations merged over the two ranks' micro-batches equal the single-process ones."""
+    if "torch_fsdp2" not in pair[0]:
+        pytest.skip("megatron-core 0.16.1's finalize_model_grads calls TorchFullyShardedDataParallel."
+                    "finish_grad_sync(force_all_reduce=...), which it does not take (TypeError)")
+    for rank_result in pair:
+        run = rank_result["torch_fsdp2"]
+        _assert_matches_reference(run, run)  # against its own shards gathered
+        _assert_matches_reference(run, single["main"])
+        _assert_same_activations(run, single["main"])  # (each rank's loss is its micro-batch's mean)
+        for got, want in zip(run["steps"], single["main"]["steps"]):
+            metrics = got["metrics"]
+            assert _close(metrics["grad/global/norm"], _reference_norm(want))
+            assert _close(got["megatron_grad_norm"], _reference_norm(want))
+            assert metrics["train/loss"] == pytest.approx(want["loss"], rel=RTOL)
+            assert metrics["train/skipped"] == 0.0
+            for name, truth in got["after_step"].items():
+                assert _close(metrics[f"param/{name}/norm"], truth["param"], 1e-6), name
+                assert _close(metrics[f"optim/{name}/exp_avg_sq/norm"], truth["exp_avg_sq"], 1e-6), name
+        assert not _misreported(run)
+        assert run["gathers"] == STEPS
+        assert all(s["micro_steps"] == 1 for s in run["steps"])
+    assert untimed(pair[0]["torch_fsdp2"]["steps"][-1]["metrics"]) == untimed(pair[1]["torch_fsdp2"]["steps"][-1]["metrics"])
+
+
+def test_context_parallel_equals_the_full_sequence(single, pair):
+    """CP=2 (each rank holds half of every sequence, cut as Megatron-LM's get_batch_on_this_cp_rank
+    does) on a GPT whose layers have no self-attention: gradients, Adam's exp_avg, activations and
+    the loss equal the single-process run on whole sequences; activation gradients are twice the
+    single process's (each CP rank's loss is the mean over its half, as Megatron-LM's loss_func
+    makes it; DDP then averages the parameter gradients over CP), with the same counts. A bias
+    returned apart (`output.1`, the same on both CP ranks) is taken once."""
+    ref = single["attention_free"]
+    for rank_result in pair:
+        run = rank_result["cp2"]
+        _assert_matches_reference(run, ref)
+        _assert_same_activations(run, ref)
+        for got, want in zip(run["steps"], ref["steps"]):
+            metrics = got["metrics"]
+            assert any(tag.endswith("/output.1/norm") for tag in metrics if tag.startswith("actv/"))
+            assert _close(metrics["grad/global/norm"], _reference_norm(want))
+            assert _close(got["megatron_grad_norm"], _reference_norm(want))
+            assert metrics["train/loss"] == pytest.approx(want["loss"], rel=RTOL)
+            grads = [tag for tag in metrics if tag.startswith("actv_grad/") and tag.endswith("/norm")]
+            assert grads
+            for tag in grads:
+                assert _close(metrics[tag], 2 * want["metrics"][tag]), tag
+                assert metrics[tag[:-len("norm")] + "numel"] == want["metrics"][tag[:-len("norm")] + "numel"], tag
+        assert not _misreported(run)
+        assert run["gathers"] == STEPS
+        assert all(s["micro_steps"] == 2 for s in run["steps"])
+    assert untimed(pair[0]["cp2"]["steps"][-1]["metrics"]) == untimed(pair[1]["cp2"]["steps"][-1]["metrics"])
+    assert "expert parallelism (2) with context parallelism (2): not supported" in pair[0]["ep_cp_error"]
 
 
 def _misreported(run: dict) -> list[int]:

@@ -1,5 +1,10 @@
 """Model chunks: unwrapping Megatron's wrappers and naming with global layer and expert numbers.
 
+A chunk is wrapped in Megatron's `DistributedDataParallel` (grad buffers, `main_grad`) or in its
+`TorchFullyShardedDataParallel` (torch FSDP2's `fully_shard` on the layers and the root: the
+parameters, their gradients and Adam moments are DTensors sharded over the data-parallel group),
+possibly around a `Float16Module`; Megatron's own `FullyShardedDataParallel` is refused.
+
 A pipeline stage (or a virtual-pipeline chunk) holds `decoder.layers.0 ..` with
 local indices. Megatron records the global, 1-based number of every transformer
 layer in its `layer_number` attribute (offset by the pipeline stage and the
@@ -19,7 +24,8 @@ from megatron.core.distributed import (DistributedDataParallel, FullyShardedData
 from megatron.core.transformer.module import Float16Module, MegatronModule
 
 #: wrappers whose `.module` is the model; Megatron's DDP also holds the grad buffers
-_WRAPPERS = (DistributedDataParallel, Float16Module, torch.nn.parallel.DistributedDataParallel)
+_WRAPPERS = (DistributedDataParallel, TorchFullyShardedDataParallel, Float16Module,
+             torch.nn.parallel.DistributedDataParallel)
 
 
 @dataclass
@@ -28,6 +34,8 @@ class Chunk:
     module: torch.nn.Module
     ddp: DistributedDataParallel | None
     rename: Callable[[str], str]
+    #: its `TorchFullyShardedDataParallel` wrapper (torch FSDP2 over `.process_group`), if any
+    fsdp: TorchFullyShardedDataParallel | None = None
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """Trainable parameters under their reported (global) names."""
@@ -58,16 +66,18 @@ def unwrap_chunks(model_chunks: Any) -> list[Chunk]:
         if not isinstance(obj, torch.nn.Module):
             raise TypeError(f"MegatronMonitor: model chunk {index} is a {type(obj).__name__}, "
                             "not a torch.nn.Module (expected a GPTModel or its DistributedDataParallel)")
-        if isinstance(obj, (FullyShardedDataParallel, TorchFullyShardedDataParallel)):
-            raise TypeError(f"MegatronMonitor: model chunk {index} is wrapped in {type(obj).__name__}; "
-                            "fully sharded data parallel is not supported (use DistributedDataParallel, "
-                            "with use_distributed_optimizer for sharded optimizer state)")
-        ddp, module = None, obj
+        if isinstance(obj, FullyShardedDataParallel):
+            raise TypeError(f"MegatronMonitor: model chunk {index} is wrapped in Megatron-FSDP's "
+                            "FullyShardedDataParallel, which is not supported (use TorchFullyShardedDataParallel, "
+                            "or DistributedDataParallel with use_distributed_optimizer)")
+        ddp, fsdp, module = None, None, obj
         while isinstance(module, _WRAPPERS):
             if isinstance(module, DistributedDataParallel) and ddp is None:
                 ddp = module
+            if isinstance(module, TorchFullyShardedDataParallel) and fsdp is None:
+                fsdp = module
             module = module.module
-        out.append(Chunk(module, ddp, global_layer_names(module)))
+        out.append(Chunk(module, ddp, global_layer_names(module), fsdp))
     return out
 
 
@@ -95,7 +105,7 @@ def describe_problems(chunks: Sequence[Chunk], tensor_parallel: int, data_parall
             problems.append(f"model chunk {index} ({kind}) has expert parameters outside "
                             f"experts.local_experts (grouped GEMM experts, e.g. {grouped[0]}): they are "
                             "named by local position, not by global expert number")
-        if chunk.ddp is None and data_parallel > 1:
+        if chunk.ddp is None and chunk.fsdp is None and data_parallel > 1:
             problems.append(f"model chunk {index} ({kind}) is not wrapped in Megatron's "
                             "DistributedDataParallel although data-parallel size is "
                             f"{data_parallel}: gradients are read from .grad as they are")

@@ -10,6 +10,7 @@ from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.transformer_block import TransformerBlock
 
 from msprobe_engine.frameworks.torch import backend as torch_backend
+from msprobe_engine.frameworks.torch.fsdp import LocalShards, shard_groups
 from msprobe_engine.frameworks.torch.module_hooks import ModuleHooks
 from msprobe_engine.config import ConfigSource, load_config
 from msprobe_engine.contract import Integration
@@ -53,6 +54,10 @@ class MegatronMonitor(Integration):
         layout = Layout.of(chunks)
         named = [item for chunk in chunks for item in chunk.named_parameters()]
         slots, sharded, more = find_slots(optimizer, named)
+        # torch FSDP2 (TorchFullyShardedDataParallel, over one group: a 1-D mesh, no replicas):
+        # DTensors, measured on this rank's shard and merged over the data-parallel group
+        dtensors, _ = shard_groups(named)
+        sharded |= dtensors
         slots, grouped_problems = split_grouped(slots, chunks, sharded)
         more += grouped_problems
         if layout.ep_size > 1:
@@ -63,7 +68,7 @@ class MegatronMonitor(Integration):
         partitioned = {name for name, p in [*named, *((s.name, s.param) for s in slots)]
                        if getattr(p, "tensor_model_parallel", False)}
         kwargs.setdefault("writes", config.per_rank or layout.stage_leader)
-        kwargs.setdefault("backend", torch_backend)
+        kwargs.setdefault("backend", LocalShards(torch_backend) if dtensors else torch_backend)
         monitor = Monitor(config, reducer=StatReducer(layout, partitioned, sharded),
                           layout={"tp": layout.size(layout.tp_group), "dp": layout.size(layout.dp_group),
                                   "pp": layout.pp_size}, **kwargs)

@@ -1,20 +1,25 @@
 """Megatron's process groups and the reducer that merges statistics over them.
 
 The monitor hands its packed rows to `StatReducer` once per transfer. The rows
-are merged over the tensor-parallel group and then over the data-parallel group (with
-context parallel), as if one after the other, in two all-reduces over the stage's TP x DP
-group of a size independent of the groups' (`frameworks.torch.distributed.NestedMerge`),
+are merged over the tensor-parallel group, then over the context-parallel group (CP > 1), then
+over the data-parallel group, as if one after the other, in two all-reduces over the stage's
+TP x CP x DP group of a size independent of the groups' (`frameworks.torch.distributed.NestedMerge`),
 never the tensors themselves.
 Per row, the merge is exact:
 
 - a parameter's gradient, weight or optimizer state: merged over TP when the
   parameter is partitioned (`tensor_model_parallel`), taken once when it is
   replicated (layer norms, biases of row-parallel layers); merged over DP when
-  the distributed optimizer shards it, taken once when DP ranks hold copies;
+  the distributed optimizer or torch FSDP2 (`TorchFullyShardedDataParallel`: DTensors,
+  measured on this rank's shard) shards it, taken once when DP ranks hold copies;
 - an activation, activation gradient or the loss: merged over DP (each rank saw
   other data); over TP it is taken once when every rank measured the very same
   bits (a replicated tensor) and merged otherwise (a partitioned one: the output
-  of a column-parallel layer, or of any layer under sequence parallelism).
+  of a column-parallel layer, or of any layer under sequence parallelism). Over CP likewise:
+  each CP rank holds its part of the sequence (merged), while a tensor that is not cut along
+  it, e.g. a bias a linear layer returns apart (`skip_bias_add`), is the same on every CP rank
+  (taken once). Parameters are over CP what they are over DP (Megatron's data-parallel group
+  with context parallel holds both).
 
 Under expert parallelism (EP > 1) the data-parallel group is the grid of the
 expert-data-parallel group (ranks holding the same experts) and the expert-parallel group
@@ -56,25 +61,35 @@ class Layout:
     #: the group of this stage's TP x DP (with CP) ranks, where the merge over them all is one pair of
     #: all-reduces (None: group by group)
     stage_group: object = None
+    #: with context parallel (CP > 1): the context-parallel group, and the data-parallel group without it
+    cp_group: object = None
+    data_group: object = None
 
     @classmethod
     def of(cls, chunks: Sequence[Chunk]) -> "Layout":
-        """The groups of the first DDP-wrapped chunk, else those of `parallel_state`."""
+        """The groups of the first DDP-wrapped chunk, else those of `parallel_state` (with the
+        data-parallel group a `TorchFullyShardedDataParallel` shards over)."""
         ddp = next((c.ddp for c in chunks if c.ddp is not None), None)
+        fsdp = next((c.fsdp for c in chunks if c.fsdp is not None), None)
         initialized = dist.is_initialized() and parallel_state.model_parallel_is_initialized()
         # (checked against the groups it must hold by the merge: `NestedMerge`)
         stage = parallel_state.get_tensor_and_data_parallel_group(
             check_initialized=False, with_context_parallel=True) if initialized else None
+        context = {}
+        if initialized and parallel_state.get_context_parallel_world_size() > 1:
+            context = {"cp_group": parallel_state.get_context_parallel_group(),
+                       "data_group": parallel_state.get_data_parallel_group(with_context_parallel=False)}
         if ddp is not None:
             return cls(ddp.tp_group, ddp.dp_cp_group, dist.get_world_size(ddp.pp_group),
-                       getattr(ddp, "ep_group", None), getattr(ddp, "expt_dp_group", None), stage)
+                       getattr(ddp, "ep_group", None), getattr(ddp, "expt_dp_group", None), stage, **context)
         if not initialized:
             return cls(None, None)
         return cls(parallel_state.get_tensor_model_parallel_group(),
+                   fsdp.process_group if fsdp is not None else
                    parallel_state.get_data_parallel_group(with_context_parallel=True),
                    parallel_state.get_pipeline_model_parallel_world_size(),
                    parallel_state.get_expert_model_parallel_group(check_initialized=False),
-                   parallel_state.get_expert_data_parallel_group(check_initialized=False), stage)
+                   parallel_state.get_expert_data_parallel_group(check_initialized=False), stage, **context)
 
     @property
     def ep_size(self) -> int:
@@ -82,7 +97,12 @@ class Layout:
 
     def check_experts(self) -> None:
         """Expert parallelism is merged over the expert-data-parallel x expert-parallel grid of the
-        data-parallel group; raise on a layout that is not that grid."""
+        data-parallel group; raise on a layout that is not that grid, or with context parallel
+        (whose merge takes a tensor that is not cut along the sequence once: it would need the
+        context-parallel group inside that grid)."""
+        if self.ep_size > 1 and self.size(self.cp_group) > 1:
+            raise ValueError(f"MegatronMonitor: expert parallelism ({self.ep_size}) with context parallelism "
+                             f"({self.size(self.cp_group)}): not supported")
         if self.ep_size > 1 and self.size(self.dp_group) != self.size(self.edp_group) * self.ep_size:
             raise ValueError(f"MegatronMonitor: expert-parallel size {self.ep_size} x expert-data-parallel size "
                              f"{self.size(self.edp_group)} is not the data-parallel size {self.size(self.dp_group)} "
@@ -112,6 +132,8 @@ class StatReducer(Reducer):
         if layout.ep_size > 1:  # data parallel = expert data parallel x expert parallel
             layout.check_experts()
             parts += [(layout.edp_group, "expert data", self.dp_policy), (layout.ep_group, "expert", self.ep_policy)]
+        elif layout.size(layout.cp_group) > 1:  # data parallel with CP = context parallel x data parallel
+            parts += [(layout.cp_group, "context", self.cp_policy), (layout.data_group, "data", self.dp_policy)]
         else:
             parts.append((layout.dp_group, "data", self.dp_policy))
         self.merges = NestedMerge([part for part in parts if layout.size(part[0]) > 1], stage=layout.stage_group)
@@ -126,6 +148,11 @@ class StatReducer(Reducer):
 
     def dp_policy(self, key: MetricKey) -> str:
         return ONCE if key.kind in PARAM_KINDS and key.path not in self.dp_sharded else MERGE
+
+    def cp_policy(self, key: MetricKey) -> str:
+        """Over the context-parallel group: parameters as over DP, activations and the loss
+        merged where each rank holds its part of the sequence, taken once where all are alike."""
+        return self.dp_policy(key) if key.kind in PARAM_KINDS else AUTO
 
     def ep_policy(self, key: MetricKey) -> str:
         """Over the expert-parallel group: an expert's rows come from the rank holding it."""

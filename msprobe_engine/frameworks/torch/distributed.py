@@ -300,8 +300,8 @@ class NestedMerge:
     """Rows merged over nested process groups (`parts`: (group, name, policy), inner first: tensor,
     then data parallel; or expert data, then expert parallel), as one `GroupMerge` per part in turn
     would merge them: in one pair of all-reduces over `stage`, the group of all their ranks, where
-    every row allows it (none `LOCAL` over some parts only); else, and without a `stage`, part by
-    part (a pair per part). Parts of one rank are left out."""
+    every row allows it (none `LOCAL` over some parts only, none `AUTO` but over the first); else,
+    and without a `stage`, part by part (a pair per part). Parts of one rank are left out."""
 
     def __init__(self, parts: Sequence[tuple[object, str, Policy]], stage: object = None) -> None:
         parts = [part for part in parts if dist.get_world_size(part[0]) > 1]
@@ -338,11 +338,12 @@ class NestedMerge:
         return self.last.spread_rows() if self.last is not None else None
 
     def _fits(self, checksum: int, keys: Sequence[MetricKey]) -> bool:
-        """Whether `whole` can merge this layout: no row `LOCAL` over some parts only (once per layout)."""
+        """Whether `whole` can merge this layout: no row `LOCAL` over some parts only, none `AUTO`
+        over a part other than the first (tensor, then context parallel; once per layout)."""
         if checksum not in self._whole_fits:
             kinds = (tuple(policy(key) for policy in self.policies) for key in keys)
             self._whole_fits[checksum] = len(self.policies) == 1 or all(
-                len(set(k)) == 1 or LOCAL not in k for k in kinds)
+                (len(set(k)) == 1 or LOCAL not in k) and AUTO not in k[1:] for k in kinds)
         return self._whole_fits[checksum]
 
 
