@@ -32,9 +32,8 @@ if TYPE_CHECKING:
 
 GRAPH_MODE_WARNING = (
     "GRAPH_MODE: Cell outputs and their gradients are measured inside the compiled graph (one row per Cell, "
-    "its calls merged); parameter gradients only when they are handed over (step_end(loss, grads), or a train "
-    "network built with nn.TrainOneStepCell(..., return_grad=True)); a rule's skip acts only through "
-    "msprobe_integrations.mindspore.FiniteGate (docs/mindspore.md, GRAPH_MODE and mindspore.jit)")
+    "its calls merged), and so are the optimizer's gradients, parameters and state; a rule's skip acts only "
+    "through msprobe_integrations.mindspore.FiniteGate (docs/mindspore.md, GRAPH_MODE and mindspore.jit)")
 
 
 class CellWiring(Handles):
