@@ -125,15 +125,23 @@ def _tapped_class(base: type) -> type:
                 out = _grad_taps(self._msprobe_tap, self._msprobe_grad, out)
             return out
 
-        def __call__(self, *args, **kwargs):  # called from Python: PyNative, the Cell hooks measure
-            object.__setattr__(self, "_msprobe_eager", True)
-            try:
-                return base.__call__(self, *args, **kwargs)
-            finally:
-                object.__setattr__(self, "_msprobe_eager", False)
+    return tapped(Tapped, base)
 
-    Tapped.__name__, Tapped.__qualname__ = base.__name__, base.__qualname__
-    return Tapped
+
+def tapped(cls: type, base: type) -> type:
+    """`cls`, a tapped subclass of Cell class `base`, named as `base` and with a `__call__` that marks
+    the Cell as running in Python (`_msprobe_eager`: PyNative, where the hooks measure) while it runs."""
+
+    def __call__(self, *args, **kwargs):
+        object.__setattr__(self, "_msprobe_eager", True)
+        try:
+            return base.__call__(self, *args, **kwargs)
+        finally:
+            object.__setattr__(self, "_msprobe_eager", False)
+
+    cls.__call__ = __call__
+    cls.__name__, cls.__qualname__ = base.__name__, base.__qualname__
+    return cls
 
 
 _TAP_ATTRIBUTES = ("_msprobe_eager", "_msprobe_buffer", "_msprobe_zeros", "_msprobe_tap",

@@ -27,6 +27,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from msprobe_engine.frameworks.mindspore.backend import Difference, plan_rows, stat_rows, tensor_meta
+from msprobe_engine.frameworks.mindspore.graph_capture import tapped
 from msprobe_engine.stats import columns
 from msprobe_engine.stats.table import MetricKey
 
@@ -67,15 +68,7 @@ def _tapped_class(base: type) -> type:
             done = ops.assign(buffer, ops.cat([rows, buffer[-1:] + 1]))
             return ops.depend(out, done)
 
-        def __call__(self, *args, **kwargs):  # called from Python: PyNative, the optimizer hooks measure
-            object.__setattr__(self, "_msprobe_eager", True)
-            try:
-                return base.__call__(self, *args, **kwargs)
-            finally:
-                object.__setattr__(self, "_msprobe_eager", False)
-
-    Tapped.__name__, Tapped.__qualname__ = base.__name__, base.__qualname__
-    return Tapped
+    return tapped(Tapped, base)
 
 
 _TAP_ATTRIBUTES = ("_msprobe_eager", "_msprobe_sources", "_msprobe_update", "_msprobe_items", "_msprobe_plan",
