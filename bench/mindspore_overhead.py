@@ -10,13 +10,15 @@ monitor. Goal: everything <= 1.3.
     OMP_NUM_THREADS=1 python bench/mindspore_overhead.py [--steps 60] [--warmup 10]
 
 `--graph`: the same network trained in GRAPH_MODE by a `TrainOneStepCell(..., return_grad=True)`
-(the statistics of the Cells measured inside the compiled graph), one process per configuration
+(every statistic measured inside the compiled graph), one process per configuration
 (`configs/full.yaml` with its sinks, a grads+optimizer config, no monitor), in `--rounds` rounds
 of every configuration in a rotating order; the ratio of each round's median step time over the
-round's run without the monitor, and the median of those ratios on the LAST line. Goals:
-full.yaml <= 1.5, grads+optimizer <= 1.1.
+round's run without the monitor, and the median of those ratios on the LAST line (a key per
+configuration; `<config> @<width>` for each `--widths` after the first: the same MLP with wider
+layers, a step of realistic length). The line before it gives the same ratios of the process CPU
+time a step (steadier on a loaded machine). Goals: full.yaml <= 1.5, grads+optimizer <= 1.1.
 
-    OMP_NUM_THREADS=1 python bench/mindspore_overhead.py --graph [--rounds 3] [--steps 60] [--warmup 10]
+    OMP_NUM_THREADS=1 python bench/mindspore_overhead.py --graph [--rounds 3] [--steps 60] [--warmup 10] [--widths 128,1024]
 """
 from __future__ import annotations
 
@@ -54,20 +56,21 @@ GRAPH_CONFIGS = {"no monitor": None, "grads+optimizer": str(ROOT / "configs" / "
                  "full.yaml": str(ROOT / "configs" / "full.yaml")}
 
 
-def make_net() -> nn.Cell:
+def make_net(width: int = WIDTH) -> nn.Cell:
     ms.set_seed(0)
-    return nn.SequentialCell(nn.Dense(64, WIDTH), nn.ReLU(), nn.Dense(WIDTH, WIDTH), nn.Tanh(),
-                             nn.Dense(WIDTH, WIDTH), nn.ReLU(), nn.Dense(WIDTH, 10))
+    return nn.SequentialCell(nn.Dense(64, width), nn.ReLU(), nn.Dense(width, width), nn.Tanh(),
+                             nn.Dense(width, width), nn.ReLU(), nn.Dense(width, 10))
 
 
-def graph_worker(name: str, steps: int, warmup: int) -> list[float]:
-    """Step times of configuration `name` of GRAPH_CONFIGS, trained in GRAPH_MODE in this process."""
+def graph_worker(name: str, steps: int, warmup: int, width: int) -> tuple[list[float], list[float]]:
+    """Step times (wall, process CPU) of configuration `name` of GRAPH_CONFIGS, trained in
+    GRAPH_MODE in this process on the MLP of layers `width` wide."""
     ms.set_device("CPU")
     ms.set_context(mode=ms.GRAPH_MODE)
     rng = np.random.default_rng(0)
     batches = [(Tensor(rng.standard_normal((BATCH, 64)).astype(np.float32)),
                 Tensor(rng.standard_normal((BATCH, 10)).astype(np.float32))) for _ in range(8)]
-    net = make_net()
+    net = make_net(width)
     opt = nn.Adam(net.trainable_params(), 1e-3)
     monitor = None
     if GRAPH_CONFIGS[name] is not None:
@@ -75,38 +78,46 @@ def graph_worker(name: str, steps: int, warmup: int) -> list[float]:
         config = {**read_file(Path(GRAPH_CONFIGS[name])), "output_dir": tempfile.mkdtemp(prefix="msprobe-ms-graph-")}
         monitor = MindSporeMonitor(net, opt, config)
     train_net = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), opt, return_grad=True)
-    times = []
+    times: tuple[list[float], list[float]] = ([], [])
     for i in range(steps + warmup):
         x, y = batches[i % len(batches)]
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         loss, grads = train_net(x, y)
         if monitor is not None:
             monitor.step_end(loss, grads)
         loss.asnumpy()
         if i >= warmup:
-            times.append(time.perf_counter() - start)
+            times[0].append(time.perf_counter() - start)
+            times[1].append(time.process_time() - cpu)
     if monitor is not None:
         monitor.close()
     return times
 
 
-def graph_rounds(rounds: int, steps: int, warmup: int) -> None:
-    """`--graph`: one process per configuration and round, rounds interleaved (see the docstring)."""
+def graph_rounds(rounds: int, steps: int, warmup: int, widths: list[int]) -> None:
+    """`--graph`: one process per configuration, width and round, rounds interleaved (see the docstring)."""
     names = list(GRAPH_CONFIGS)
-    ratios: dict[str, list[float]] = {name: [] for name in names[1:]}
+    labels = {(name, width): name if width == widths[0] else f"{name} @{width}" for name in names[1:] for width in widths}
+    ratios: dict[tuple[str, int], tuple[list[float], list[float]]] = {key: ([], []) for key in labels}
     for r in range(rounds):
-        medians = {}
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
-            out = subprocess.run([sys.executable, __file__, "--graph-worker", name, "--steps", str(steps),
-                                  "--warmup", str(warmup)], capture_output=True, text=True, check=True)
-            medians[name] = statistics.median(json.loads(out.stdout.strip().splitlines()[-1]))
-        print(f"round {r}: " + ", ".join(f"{n} {m * 1e3:.2f} ms" for n, m in medians.items()))
-        for name in ratios:
-            ratios[name].append(medians[name] / medians["no monitor"])
-    result = {name: round(statistics.median(values), 3) for name, values in ratios.items()}
-    print(f"GRAPH_MODE, {steps} steps after {warmup}, {rounds} rounds, median of the rounds' ratios:")
-    print(json.dumps(result))
+        for width in widths:
+            medians = {}
+            shift = r % len(names)
+            for name in names[shift:] + names[:shift]:
+                out = subprocess.run([sys.executable, __file__, "--graph-worker", name, "--steps", str(steps),
+                                      "--warmup", str(warmup), "--widths", str(width)],
+                                     capture_output=True, text=True, check=True)
+                medians[name] = [statistics.median(t) for t in json.loads(out.stdout.strip().splitlines()[-1])]
+            print(f"round {r}, width {width}: " + ", ".join(f"{n} {m[0] * 1e3:.2f} ms (CPU {m[1] * 1e3:.2f} ms)"
+                                                            for n, m in medians.items()))
+            for name in names[1:]:
+                for kind in (0, 1):
+                    ratios[name, width][kind].append(medians[name][kind] / medians["no monitor"][kind])
+    result = [{labels[key]: round(statistics.median(values[kind]), 3) for key, values in ratios.items()}
+              for kind in (0, 1)]
+    print(f"GRAPH_MODE, {steps} steps after {warmup}, {rounds} rounds, median of the rounds' ratios; "
+          f"of the process CPU time a step: {json.dumps(result[1])}; of the step time:")
+    print(json.dumps(result[0]))
 
 
 def main() -> None:
@@ -115,13 +126,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--graph", action="store_true", help="GRAPH_MODE, one process per configuration")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--widths", default="128,1024", help="--graph: the MLP's layer widths, comma-separated")
     parser.add_argument("--graph-worker", choices=list(GRAPH_CONFIGS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.graph_worker:
-        print(json.dumps(graph_worker(args.graph_worker, args.steps, args.warmup)))
+        print(json.dumps(graph_worker(args.graph_worker, args.steps, args.warmup, int(args.widths))))
         return
     if args.graph:
-        graph_rounds(args.rounds, args.steps, args.warmup)
+        graph_rounds(args.rounds, args.steps, args.warmup, [int(w) for w in args.widths.split(",")])
         return
     ms.set_device("CPU")
     ms.set_context(mode=ms.PYNATIVE_MODE)

@@ -127,6 +127,8 @@ class MonitorPort(Protocol):
     disabled: set[str]
     #: the call graph the module hooks fill when incidents are on (None otherwise)
     graph: "CallGraph | None"
+    #: (dtype, shape, requires_grad) of the tensors measured, by key, for incidents' dump.json
+    tensor_meta: dict["MetricKey", tuple]
     #: the one writer thread
     writer: "BackgroundWriter"
     #: called with each step's record

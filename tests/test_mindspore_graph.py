@@ -178,6 +178,13 @@ def activation_metrics(record) -> dict[str, float]:
     return {k: v for k, v in record.metrics.items() if k.startswith(("actv/", "actv_grad/"))}
 
 
+def tensor_metrics(record) -> dict[str, float]:
+    """The activations', gradients', parameters' and optimizer state's metrics (in a compiled step all
+    measured inside its graph)."""
+    return {k: v for k, v in record.metrics.items() if k.startswith(("actv/", "actv_grad/", "grad/", "param/",
+                                                                     "optim/"))}
+
+
 def assert_same_activations(got, want) -> None:
     assert sorted(got) == sorted(want)
     for tag, value in want.items():
@@ -212,6 +219,9 @@ def assert_compiled_run_equals_pynative(how: str, tmp_path, pynative) -> None:
         assert "actv/halves/output.1/norm" in got and "actv_grad/fc1/output/norm" in got
         assert "actv/fc2/input.0/max" in got
         assert_same_activations(got, activation_metrics(want))
+        got = tensor_metrics(record)
+        assert "grad/fc1.weight/norm" in got and "optim/fc2.bias/exp_avg_sq/max" in got
+        assert_same_activations(got, tensor_metrics(want))
     without, _ = train("model" if how == "model-sink" else how)
     assert losses == without  # bitwise: the taps change no value the step computes
 

@@ -10,7 +10,8 @@ once per layout (the shapes and dtypes of the tensors, stable from step to
 step; about a second on CPU) and then reused. Inside it, tensors of the same
 length (a layer's weight, its gradient, both Adam moments, its update) are
 concatenated into one matrix and reduced along its rows; tensors above
-LARGE_NUMEL elements are reduced on their own (no concatenated copy).
+LARGE_NUMEL elements are reduced on their own (no concatenated copy: MindSpore's CPU concat
+of three 1M-element tensors costs 16 ms, 20x their sum).
 A tensor passed twice (a module's output is the next one's input) is reduced once;
 a `Difference` (a parameter's update) is computed inside the graph too.
 
@@ -32,10 +33,10 @@ from mindspore import Tensor, ops
 from msprobe_engine.stats import columns
 
 #: Tensors above this many elements are reduced on their own, not concatenated.
-LARGE_NUMEL = 1 << 20
+LARGE_NUMEL = 1 << 16
 #: Longer tensors are summed in float32 per chunk of this many elements, the chunk sums
 #: in float64 (MindSpore's float32 sum of a million elements drifts by about 1e-5).
-SUM_CHUNK = 1 << 14
+SUM_CHUNK = 1 << 10
 
 _LOW_PRECISION = (ms.float16, ms.bfloat16, ms.float32)
 _NAN, _INF = float("nan"), float("inf")
@@ -94,24 +95,41 @@ def _builtin_stats(tensors: Sequence[Measured], count_zeros: bool) -> Tensor:
     """The built-in columns of `partial_stats`, by the one compiled graph."""
     distinct = list({id(tensor): tensor for tensor in tensors}.values())
     slot = {id(tensor): i for i, tensor in enumerate(distinct)}
+    plan = plan_rows(distinct, [slot[id(tensor)] for tensor in tensors])
+    items = [distinct[i] for i in plan.order]
+    inputs = tuple(t for item in items for t in (item if isinstance(item, Difference) else (item,)))
+    return _rows(ms.mutable(inputs), plan.layout, plan.differences, plan.empty, plan.gather, count_zeros)
+
+
+class RowPlan(NamedTuple):
+    """How `stat_rows` measures some items: `order` (the items in the order it takes them), and its
+    arguments `layout`, `differences`, `empty`, `gather` (constants of its compiled graph)."""
+    order: list[int]
+    layout: tuple[tuple[int, int, bool], ...]
+    differences: tuple[bool, ...]
+    empty: int
+    gather: tuple[int, ...]
+
+
+def plan_rows(items: Sequence[Measured], rows_of: Sequence[int]) -> RowPlan:
+    """The plan of `stat_rows` for the distinct `items` (only their dtypes and sizes are read: a
+    Parameter may stand for its gradient), whose row i is that of item `rows_of[i]`: same-length
+    items of a family grouped, the float32 family first, the empty ones last."""
     groups: dict[tuple[bool, int, int], list[int]] = {}
     empty: list[int] = []
-    for i, tensor in enumerate(distinct):
-        numel = tensor.size
+    for i, item in enumerate(items):
+        numel = item.size
         if numel == 0:
             empty.append(i)
         else:
             alone = i if numel > LARGE_NUMEL else -1
-            groups.setdefault((tensor.dtype not in _LOW_PRECISION, numel, alone), []).append(i)
-    groups = dict(sorted(groups.items(), key=lambda item: item[0][0]))  # the float32 family first
+            groups.setdefault((item.dtype not in _LOW_PRECISION, numel, alone), []).append(i)
+    groups = dict(sorted(groups.items(), key=lambda entry: entry[0][0]))  # the float32 family first
     order = [i for members in groups.values() for i in members] + empty
     layout = tuple((numel, len(members), wide) for (wide, numel, _), members in groups.items())
     row_of = np.argsort(order)
-    gather = tuple(int(row_of[slot[id(tensor)]]) for tensor in tensors)
-    items = [distinct[i] for i in order]
-    inputs = tuple(t for item in items for t in (item if isinstance(item, Difference) else (item,)))
-    differences = tuple(isinstance(item, Difference) for item in items)
-    return _rows(ms.mutable(inputs), layout, differences, len(empty), gather, count_zeros)
+    return RowPlan(order, layout, tuple(isinstance(items[i], Difference) for i in order), len(empty),
+                   tuple(int(row_of[i]) for i in rows_of))
 
 
 def tensor_meta(tensor: Measured) -> tuple:
@@ -120,13 +138,37 @@ def tensor_meta(tensor: Measured) -> tuple:
     return tensor.dtype, tensor.shape, False
 
 
-def concat(rows: Sequence[Tensor]) -> Tensor:
-    """Pack the step's row blocks into one tensor."""
-    return ops.cat(list(rows)) if len(rows) > 1 else rows[0]
+def host_partial_stats(values: Sequence[np.ndarray], count_zeros: bool = False) -> np.ndarray:
+    """`partial_stats` of arrays already on the host (a compiled step's loss, read to the host at its
+    end): the same accumulation dtypes and semantics, no launch; registered columns nan."""
+    rows = []
+    for value in values:
+        value = np.asarray(value)
+        acc = np.float32 if value.dtype in (np.float16, np.float32) or value.dtype.name == "bfloat16" else np.float64
+        flat = value.astype(acc).ravel()
+        nans, infs = int(np.isnan(flat).sum()), int(np.isinf(flat).sum())
+        low, high = (flat.min(), flat.max()) if flat.size else (_INF, -_INF)
+        rows.append(columns.builtin_row({
+            "min": _NAN if nans else low, "max": _NAN if nans else high, "sum": flat.sum(dtype=acc),
+            "sumsq": (flat * flat).sum(dtype=acc), "nan_count": nans, "inf_count": infs,
+            "zero_count": int((flat == 0).sum()) if count_zeros or not flat.size else _NAN, "numel": flat.size}))
+    return np.array(rows, np.float64).reshape(len(values), columns.n_columns())
 
 
-def to_host(rows: Tensor) -> np.ndarray:
-    """The single device-to-host copy of a step's packed statistics (numpy float64)."""
+def concat(rows: Sequence[Tensor | np.ndarray]) -> Tensor | np.ndarray:
+    """Pack the step's row blocks into one tensor; blocks already on the host (the rows a compiled
+    train step wrote, read with its statistics Parameter) stay there when every block is."""
+    if all(isinstance(block, np.ndarray) for block in rows):
+        return np.concatenate(list(rows))
+    rows = [Tensor(block) if isinstance(block, np.ndarray) else block for block in rows]
+    return ops.cat(rows) if len(rows) > 1 else rows[0]
+
+
+def to_host(rows: Tensor | np.ndarray) -> np.ndarray:
+    """The single device-to-host copy of a step's packed statistics (numpy float64; host rows as
+    they are)."""
+    if isinstance(rows, np.ndarray):
+        return rows.astype(np.float64, copy=False)
     return rows.asnumpy().astype(np.float64, copy=False)
 
 
@@ -136,7 +178,13 @@ def scalar(value: float) -> Tensor:
 
 @ms.jit
 def _rows(tensors, layout, differences, empty, gather, count_zeros):
-    """Rows of the measured items: groups of (numel, members, accumulate in float64) as
+    """`stat_rows`, as one compiled launch."""
+    return stat_rows(tensors, layout, differences, empty, gather, count_zeros)
+
+
+def stat_rows(tensors, layout, differences, empty, gather, count_zeros):
+    """Built-in rows of the measured items (plain MindSpore code: also compiled into a train step's
+    graph by `graph_optimizer`): groups of (numel, members, accumulate in float64) as
     `layout` says, the float32 family first, then `empty` empty tensors; an item is one
     tensor, or two (after, before) where `differences` says so; row `gather[i]` is the i-th
     result. Compiled once per layout; traced, so the Python loops unroll."""
@@ -196,8 +244,10 @@ def sums(matrix, members, numel):
     pad = -numel % SUM_CHUNK
     if pad:
         matrix = ops.cat([matrix, ops.zeros((members, pad), matrix.dtype)], 1)
-    chunks = matrix.reshape(members, -1, SUM_CHUNK)
-    return tuple(part.sum(2).astype(ms.float64).sum(1).astype(matrix.dtype) for part in (chunks, chunks * chunks))
+    # a 2-D reduction: MindSpore's CPU reduction over a 3-D tensor's last axis is 7x slower
+    chunks = matrix.reshape(-1, SUM_CHUNK)
+    return tuple(part.sum(1).astype(ms.float64).reshape(members, -1).sum(1).astype(matrix.dtype)
+                 for part in (chunks, chunks * chunks))
 
 
 def _stack(family):

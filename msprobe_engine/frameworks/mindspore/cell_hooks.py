@@ -280,15 +280,16 @@ class OptimizerState(Handles):
         """Copies of every Parameter of the optimizer Cell (weights, moments, step counters)."""
         return held_copies([p for _, p in self.optimizer.parameters_and_names()])
 
-    def after_step(self) -> None:
-        """After the optimizer step: parameters, optimizer state and the update. A skipped step
-        is undone first: every Parameter of the optimizer gets its copy back (bitwise)."""
+    def after_step(self, read: bool = True) -> None:
+        """After the optimizer step: parameters, optimizer state and the update (unless not `read`:
+        measured elsewhere). A skipped step is undone first: every Parameter of the optimizer
+        gets its copy back (bitwise)."""
         monitor = self.monitor
         if self._held:
             held, self._held = self._held, []
             for param, copy in held:
                 ops.assign(param, copy)
-        if monitor.active:
+        if monitor.active and read:
             with monitor.guard("optimizer post-step"):
                 self.read_after_step()
         monitor.after_optimizer_step()

@@ -27,6 +27,7 @@ import numpy as np
 from mindspore import Tensor, ops
 
 from msprobe_engine.collect.integer_merge import merge_rows
+from msprobe_engine.frameworks.mindspore.backend import to_host
 from msprobe_engine.incident.actions import StepDecision
 from msprobe_engine.reducer import Reducer
 from msprobe_engine.stats import P_MAX, P_MIN, P_NAN
@@ -61,7 +62,7 @@ class DataParallelMerge(Reducer):
         self._sum = ops.AllReduce()  # on CPU, AllReduce has only SUM
         self._masks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
-    def merge(self, keys: Sequence[MetricKey], rows: Tensor) -> Tensor:
+    def merge(self, keys: Sequence[MetricKey], rows: Tensor | np.ndarray) -> Tensor:
         if self.world == 1:
             return rows
         checksum = layout_checksum(keys)
@@ -70,10 +71,10 @@ class DataParallelMerge(Reducer):
             local = np.array([k.kind in RANK_LOCAL_KINDS for k in keys])
             self._masks[checksum] = (~(local & self.per_rank), local | (self.rank == 0))
         sent, gives = self._masks[checksum]
-        merged = merge_rows(rows.asnumpy(), sent, gives, checksum, self.world, _all_reduce, new_layout=new)
+        merged = merge_rows(to_host(rows), sent, gives, checksum, self.world, _all_reduce, new_layout=new)
         nan = sent & (merged[:, P_NAN] > 0)  # MindSpore's min/max skip nan; a merged row that holds one shows it
         merged[nan, P_MIN] = merged[nan, P_MAX] = float("nan")
-        return Tensor(merged).astype(rows.dtype)
+        return Tensor(merged)
 
     def agree(self, decision: StepDecision) -> StepDecision:
         """`Monitor.before_optimizer_step`, on every rank, when a rule can skip or stop: with

@@ -13,12 +13,12 @@ Called eagerly (PyNative, no `jit`), the subclass's `__call__` marks the Cell as
 Python and its `construct` is the original one: the Cell hooks measure as before. The mark is
 read as a constant when MindSpore compiles the Cell, where it is always False.
 
-Once a step, at its end (`take`), the written rows are gathered and the Parameter reset in
-one compiled launch, and handed to the monitor (`wiring`) or a dump (`capture.graph_recorder`)
-as rows of the step under PyNative's names
-(`actv/<path>/output`, `output.<i>` for a tuple's items, `input.<i>`, `actv_grad/...`): the
-forward rows in the order the graph wrote them, then the gradient rows, the Cells in reverse
-order; they travel with the step's one host transfer. Which slots a graph writes is learned from one
+Once a step, at its end (`take`), the Parameter is read to the host (one transfer, no compiled
+launch), its written rows gathered there and the Parameter reset (one assign), and handed to
+the monitor (`wiring`) or a dump (`capture.graph_recorder`) as rows of the step under
+PyNative's names (`actv/<path>/output`, `output.<i>` for a tuple's items, `input.<i>`,
+`actv_grad/...`): the forward rows in the order the graph wrote them, then the gradient rows,
+the Cells in reverse order. Which slots a graph writes is learned from one
 host read of the Parameter at the first monitored step whose graph wrote any.
 
 Limits: a Cell called several times in a step has one row (its calls merged), not `path:1`...;
@@ -125,15 +125,23 @@ def _tapped_class(base: type) -> type:
                 out = _grad_taps(self._msprobe_tap, self._msprobe_grad, out)
             return out
 
-        def __call__(self, *args, **kwargs):  # called from Python: PyNative, the Cell hooks measure
-            object.__setattr__(self, "_msprobe_eager", True)
-            try:
-                return base.__call__(self, *args, **kwargs)
-            finally:
-                object.__setattr__(self, "_msprobe_eager", False)
+    return tapped(Tapped, base)
 
-    Tapped.__name__, Tapped.__qualname__ = base.__name__, base.__qualname__
-    return Tapped
+
+def tapped(cls: type, base: type) -> type:
+    """`cls`, a tapped subclass of Cell class `base`, named as `base` and with a `__call__` that marks
+    the Cell as running in Python (`_msprobe_eager`: PyNative, where the hooks measure) while it runs."""
+
+    def __call__(self, *args, **kwargs):
+        object.__setattr__(self, "_msprobe_eager", True)
+        try:
+            return base.__call__(self, *args, **kwargs)
+        finally:
+            object.__setattr__(self, "_msprobe_eager", False)
+
+    cls.__call__ = __call__
+    cls.__name__, cls.__qualname__ = base.__name__, base.__qualname__
+    return cls
 
 
 _TAP_ATTRIBUTES = ("_msprobe_eager", "_msprobe_buffer", "_msprobe_zeros", "_msprobe_tap",
@@ -172,22 +180,22 @@ class GraphCapture:
                 object.__setattr__(cell, attr, first)
                 if wanted_in[attr]:
                     self.slots += [(kind, path, role)] + [(kind, path, f"{role}.{i}") for i in range(ROWS_PER_CELL)]
-        self._index: Tensor | None = None  # the written slots, in the order written (learned once)
+        self._index: np.ndarray | None = None  # the written slots, in the order written (learned once)
         self.keys: list[MetricKey] = []
         #: key -> (dtype, shape) of the tensor each written slot measured (learned with the slots)
         self.meta: dict[MetricKey, tuple[str, list[int]]] = {}
 
-    def take(self, wanted: bool = True) -> tuple[list[MetricKey], Tensor] | None:
-        """This step's rows (`keys`, and the rows on the device) and the Parameter reset, in one
-        launch; None when not `wanted` (only reset) or nothing was written."""
+    def take(self, wanted: bool = True) -> tuple[list[MetricKey], np.ndarray] | None:
+        """This step's rows (`keys`, and the rows read to the host: one transfer, no launch) and the
+        Parameter reset; None when not `wanted` (only reset) or nothing was written."""
         if not self.slots:
             return None
-        if not wanted:
+        if not wanted or (self._index is None and not self._learn()):
             ops.assign(self.buffer, self._reset)
             return None
-        if self._index is None and not self._learn():
-            return None
-        return self.keys, _gather_and_reset(self.buffer, self._index, self._reset, columns.n_columns())
+        rows = self.buffer.asnumpy()[self._index, :columns.n_columns()]  # no order column
+        ops.assign(self.buffer, self._reset)
+        return self.keys, rows
 
     def _learn(self) -> bool:
         """Which slots the graph writes (one host read, once), in the order PyNative reports them:
@@ -214,7 +222,7 @@ class GraphCapture:
         ordered = sorted(slots.tolist(), key=place)
         self.keys = [MetricKey(*self.slots[i]) for i in ordered]
         self.meta = {key: meta_of(rows[i]) for key, i in zip(self.keys, ordered)}
-        self._index = Tensor(np.array(ordered, np.int32))
+        self._index = np.array(ordered, np.int64)
         return True
 
     def remove(self) -> None:
@@ -224,10 +232,3 @@ class GraphCapture:
                 cell.__dict__.pop(attr, None)
         self._cells.clear()
 
-
-@ms.jit
-def _gather_and_reset(buffer, index, reset, width):
-    """The rows of slots `index` (their first `width` columns: no order column), then `buffer`
-    reset to `reset`: one launch."""
-    rows = ops.gather(buffer, index, 0)[:, :width]
-    return ops.depend(rows, ops.assign(buffer, reset))

@@ -12,13 +12,16 @@ ran), its gradients (given as `grads`) and state are read at the step's end.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import TYPE_CHECKING, Any, Iterator
 
 from mindspore import nn
 
+from msprobe_engine.frameworks.mindspore.backend import host_partial_stats
 from msprobe_engine.frameworks.mindspore.cell_hooks import (CellHooks, OptimizerState, TensorBatch, compiled,
                                                              is_tensor, watched_cells)
 from msprobe_engine.frameworks.mindspore.graph_capture import GraphCapture
+from msprobe_engine.frameworks.mindspore.graph_optimizer import OptimizerTap
 from msprobe_engine.frameworks.mindspore.replay import MindSporeReplayHost
 from msprobe_engine.handles import Handles
 from msprobe_engine.stats import optional_columns
@@ -29,9 +32,8 @@ if TYPE_CHECKING:
 
 GRAPH_MODE_WARNING = (
     "GRAPH_MODE: Cell outputs and their gradients are measured inside the compiled graph (one row per Cell, "
-    "its calls merged); parameter gradients only when they are handed over (step_end(loss, grads), or a train "
-    "network built with nn.TrainOneStepCell(..., return_grad=True)); a rule's skip acts only through "
-    "msprobe_integrations.mindspore.FiniteGate (docs/mindspore.md, GRAPH_MODE and mindspore.jit)")
+    "its calls merged), and so are the optimizer's gradients, parameters and state; a rule's skip acts only "
+    "through msprobe_integrations.mindspore.FiniteGate (docs/mindspore.md, GRAPH_MODE and mindspore.jit)")
 
 
 class CellWiring(Handles):
@@ -56,11 +58,16 @@ class CellWiring(Handles):
         self.graph = GraphCapture(cells, wanted, count_zeros, monitor.warn) if cells else None
         self.optim = OptimizerState(monitor, net, optimizer, self.batch, hooks=pynative)
         self.optim.before_grads = self._compiled_forward
-        super().__init__([part for part in (self.cells, self.graph, self.optim) if part is not None])
+        optim = self.optim
+        self.count_zeros = count_zeros
+        self.optim_tap = OptimizerTap(optimizer, optim.order, optim.params, optim.states, grads=watch.param_grads,
+                                      after=optim.read_params, update=optim.update, count_zeros=count_zeros
+                                      ) if optimizer is not None else None
+        super().__init__([part for part in (self.cells, self.graph, self.optim, self.optim_tap) if part is not None])
         self.grads: Any = None
         self._ran_compiled = False
         self._forward_taken = False
-        self.optim.snapshot()  # for a first step whose optimizer runs where no hook does
+        self._snapshot()  # for a first step whose optimizer runs where no hook does
         monitor.add_step_closer(self)
 
     def close_step(self, loss: Any) -> Any:
@@ -70,8 +77,13 @@ class CellWiring(Handles):
         self._ran_compiled = not self.optim.stepped
         if self._ran_compiled:
             self._read_compiled_step(self.grads)
-        if monitor.active and is_tensor(loss):  # measured with the rest: one backend call per step
-            self.batch.add([MetricKey("train", "loss")], [loss])
+        if monitor.active and is_tensor(loss):
+            if self._ran_compiled:  # read to the host with the step's rows: no launch
+                monitor.rows.add(monitor.step, [MetricKey("train", "loss")],
+                                 host_partial_stats([loss.asnumpy()], self.count_zeros), remember=False,
+                                 seconds=0.0, measured=1)
+            else:  # measured with the rest: one backend call per step
+                self.batch.add([MetricKey("train", "loss")], [loss])
             loss = None
         self.batch.flush()
         return loss
@@ -86,17 +98,42 @@ class CellWiring(Handles):
         if self.cells is not None:
             self.cells.fired = False
         if self._ran_compiled:
+            self._snapshot()
+
+    def _snapshot(self) -> None:
+        """The parameters' copy for the update of a step whose optimizer runs where no hook does,
+        unless the optimizer's tap measures it inside the graph."""
+        if self.optim_tap is None or self.optim_tap.optimizer is None or not self.optim.update:
             self.optim.snapshot()
 
     def _read_compiled_step(self, grads: Any) -> None:
-        """The optimizer step ran where no hook runs: read its gradients and state now."""
+        """The optimizer step ran where no hook runs: take the rows its tap wrote in the graph, or
+        read its gradients and state now."""
         monitor = self.monitor
         self._compiled_forward()
-        if monitor.active and grads is None and monitor.config.watch.param_grads:
+        tapped = monitor.active and self._take_optimizer_rows()
+        if monitor.active and not tapped and grads is None and monitor.config.watch.param_grads:
             monitor.warn("parameter gradients are not monitored: no optimizer hook saw them (compiled "
                          "step, or no optimizer given); pass them as step_end(loss, grads)")
-        self.optim.before_step(grads)
-        self.optim.after_step()
+        self.optim.before_step(None if tapped else grads)
+        self.optim.after_step(read=not tapped)
+
+    def _take_optimizer_rows(self) -> bool:
+        """The rows the optimizer's tap wrote in this step's graph, to the monitor (one host read);
+        False when none were written."""
+        monitor, tap = self.monitor, self.optim_tap
+        if tap is None:
+            return False
+        started = time.perf_counter()
+        with monitor.guard("optimizer statistics"):
+            rows = tap.take()
+            if rows is not None:
+                monitor.rows.add(monitor.step, tap.keys, rows, remember=False,
+                                 seconds=time.perf_counter() - started, measured=len(tap.keys))
+                if monitor.graph is not None:  # incidents are on
+                    monitor.tensor_meta.update(tap.meta)
+                return True
+        return False
 
     def _compiled_forward(self) -> None:
         """Once a step, where no Cell hook fired (the forward ran compiled): begin the micro-step and
