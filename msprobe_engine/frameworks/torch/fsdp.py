@@ -61,5 +61,11 @@ class LocalShards:
     def partial_stats(self, tensors: Sequence[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         return self._backend.partial_stats([local_tensor(t) for t in tensors], *args, **kwargs)
 
+    def difference_stats(self, after: Sequence[torch.Tensor], before: Sequence[torch.Tensor], *args: Any,
+                         **kwargs: Any) -> Any:
+        """The rows of the local shards' differences (both sides of each pair sharded alike)."""
+        return self._backend.difference_stats([local_tensor(t) for t in after], [local_tensor(t) for t in before],
+                                              *args, **kwargs)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._backend, name)

@@ -25,6 +25,7 @@ from typing import Hashable, Optional, Sequence
 import torch
 
 from msprobe_engine.frameworks.torch import cpu_reduce
+from msprobe_engine.stats import columns
 
 log = logging.getLogger("msprobe_engine")
 
@@ -46,7 +47,10 @@ class LaterRows:
 
     def add(self, keys: Sequence[Hashable], tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
         """The rows of `tensors` (named by `keys`), filled at the next settle; None: measure them
-        now (a key not proven yet, which is then watched, or a tensor the kernel does not read)."""
+        now (a key not proven yet, which is then watched, a tensor the kernel does not read, or
+        registered columns, which only the torch path measures)."""
+        if columns.EXTRA:
+            return None
         if not self.proven.issuperset(keys):
             self._watch(keys, tensors)
             return None

@@ -153,5 +153,6 @@ class OptimizerHooks(Handles):
         kept = self._kept
         if kept is None or any(k.shape != p.shape or k.dtype != p.dtype for k, p in zip(kept, params)):
             kept = self._kept = [torch.empty_like(p) for p in params]
-        torch._foreach_copy_(kept, params)
+        for k, p in zip(kept, params):  # one by one: a DTensor has no `_foreach_copy_` sharding rule
+            k.copy_(p)
         return kept
