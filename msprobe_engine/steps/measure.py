@@ -42,13 +42,13 @@ class Measurer:
         measured = [t for t, prior in zip(tensors, same) if prior is None] if same else tensors
         own_keys = [key for key, prior in zip(keys, same) if prior is None] if same else keys
         plain = not hasattr(divisor, "shape") and divisor == 1.0
-        rows = self._later(backend, own_keys, measured) if later and plain and measured else None
-        if rows is not None or not measured:
-            pass  # measured at the micro-step's end (`StepRows.later`), or nothing to measure
-        elif plain:  # packed into rows with the step's others, at the transfer
-            rows = backend.partial_stats(measured, count_zeros=self.count_zeros, deferred=True)
-        else:
-            rows = divide(backend.partial_stats(measured, count_zeros=self.count_zeros), divisor)
+        rows = None
+        if measured and later and plain:  # measured at the micro-step's end (`StepRows.later`), if it may wait
+            rows = self._later(backend, own_keys, measured)
+        if rows is None and measured:
+            rows = backend.partial_stats(measured, count_zeros=self.count_zeros, deferred=plain)
+            if not plain:  # otherwise packed into rows with the step's others, at the transfer
+                rows = divide(rows, divisor)
         if len(measured) < len(tensors):
             own = dict(zip(own_keys, zip(itertools.repeat(rows), itertools.count())))
             rows = backend.pick([own[key] if prior is None else own.get(prior) or rows_waiting.last[prior]
