@@ -14,6 +14,7 @@ from incident_helpers import config as incident_config
 from incident_helpers import gpt_and_adam, inject_backward, read_incident, run as run_incident_steps
 from examples.tiny_gpt import inject
 from msprobe_engine.config import load_config
+from msprobe_engine.frameworks.torch import cpu_reduce, opaque_row
 from msprobe_engine.frameworks.torch.compiled_hooks import clean_path, compiled_parts
 from msprobe_integrations.torch import TorchMonitor
 
@@ -87,8 +88,21 @@ def shipped(name: str, tmp_path):
     return dataclasses.replace(config, output_dir=str(tmp_path), strict=True)
 
 
-def test_statistics_in_the_graph_change_every_step_and_equal_eager(tmp_path):
+@pytest.mark.parametrize("opaque", [False, True], ids=["fused", "opaque_row"])
+def test_statistics_in_the_graph_change_every_step_and_equal_eager(tmp_path, monkeypatch, opaque):
+    """`opaque_row`: every activation gradient's row measured by the C kernel's op (`msprobe::cpu_row`),
+    not by a reduction inductor fuses."""
+    if opaque:
+        if not cpu_reduce.available():
+            pytest.skip(f"the C kernel is off: {cpu_reduce.disabled_reason}")
+        monkeypatch.setattr(opaque_row, "MIN_NUMEL", 1)
+    single = []  # the kernel's calls for one tensor (the op's) in the compiled run
+    kernel_rows = cpu_reduce.rows
+    monkeypatch.setattr(cpu_reduce, "rows", lambda ts, zeros=False: single.append(len(ts) == 1) or kernel_rows(ts, zeros))
     compiled_losses, monitor, (breaks, graphs) = train({**EVERYTHING, "output_dir": str(tmp_path / "c")}, 3)
+    grad_rows = sum(t.startswith("actv_grad/") and t.endswith("/norm") for t in monitor.history[0].metrics)
+    # at every step, for most gradient rows (a residual's equal gradients share one call)
+    assert sum(single) >= 3 * grad_rows // 2 if opaque else sum(single) < grad_rows
     assert (breaks, graphs) == (0, 1)
     _, eager, _ = train({**EVERYTHING, "output_dir": str(tmp_path / "e")}, 3, compiled=False)
     plain, _, _ = train(None, 3)

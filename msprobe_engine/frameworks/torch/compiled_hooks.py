@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from msprobe_engine.frameworks.torch import opaque_row
 from msprobe_engine.stats import columns
 from msprobe_engine.stats.table import MetricKey
 
@@ -183,19 +184,23 @@ def merge_into(target: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
 
 
 class _GradTap(torch.autograd.Function):
-    """Identity on `x` whose backward merges the gradient's row into `target` (a buffer row)."""
+    """Identity on `x` whose backward merges the gradient's row into `target` (a buffer row);
+    `opaque`: the row comes from `opaque_row` (never fused into the gradient's producer)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, target: torch.Tensor, count_zeros: bool) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, target: torch.Tensor, count_zeros: bool,
+                opaque: bool) -> torch.Tensor:
         ctx.save_for_backward(target)
         ctx.count_zeros = count_zeros
+        ctx.opaque = opaque
         return x.clone()  # a new tensor (autograd functions may not return their input); exact
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         (target,) = ctx.saved_tensors
-        merge_into(target, partial_values(grad, ctx.count_zeros))
-        return grad, None, None
+        measure = opaque_row.values if ctx.opaque else partial_values
+        merge_into(target, measure(grad, ctx.count_zeros))
+        return grad, None, None, None
 
 
 class CompiledCapture:
@@ -239,7 +244,7 @@ class CompiledCapture:
         i = _slot(self.ident, kind, path, role)
         if i < 0:
             return tensor
-        return _GradTap.apply(tensor, self.buffer[i], self.count_zeros)
+        return _GradTap.apply(tensor, self.buffer[i], self.count_zeros, opaque_row.usable(tensor))
 
     # ---- outside the graph, once a step --------------------------------------------
     def harvest(self) -> None:
