@@ -90,8 +90,8 @@ def shipped(name: str, tmp_path):
 
 @pytest.mark.parametrize("opaque", [False, True], ids=["fused", "opaque_row"])
 def test_statistics_in_the_graph_change_every_step_and_equal_eager(tmp_path, monkeypatch, opaque):
-    """`opaque_row`: every activation gradient's row measured by the C kernel's op (`msprobe::cpu_row`),
-    not by a reduction inductor fuses."""
+    """`opaque_row`: every row in the graph (activations and their gradients) measured by the C kernel's
+    op (`msprobe::cpu_row`), not by a reduction inductor fuses."""
     if opaque:
         if not cpu_reduce.available():
             pytest.skip(f"the C kernel is off: {cpu_reduce.disabled_reason}")

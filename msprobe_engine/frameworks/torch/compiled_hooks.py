@@ -237,7 +237,8 @@ class CompiledCapture:
     def record(self, kind: str, path: str, role: str, tensor: torch.Tensor) -> None:
         i = _slot(self.ident, kind, path, role)
         if i >= 0:
-            merge_into(self.buffer[i], partial_values(tensor, self.count_zeros))
+            measure = opaque_row.values if opaque_row.usable(tensor) else partial_values
+            merge_into(self.buffer[i], measure(tensor, self.count_zeros))
 
     def tap(self, kind: str, path: str, role: str, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor`, through an identity whose backward measures its gradient."""

@@ -5,7 +5,8 @@ tensor. For some producers that costs more than it saves: with Llama's rotary-em
 it recomputed `sin`/`cos` with gathered loads inside the reduction loop (3.6 ms a call instead of
 0.15-0.6 ms). `msprobe::cpu_row` is a `torch.library` op (a fake implementation for tracing):
 inductor cannot look into it, so it materialises the tensor once (it does anyway, for its other
-consumers) and the op reads it with `cpu_reduce` at memory speed. Used for CPU tensors the
+consumers) and the op reads it with `cpu_reduce` at memory speed. Used for the rows of
+activations and of their gradients (`compiled_hooks.CompiledCapture`) of CPU tensors the
 kernel reads, of at least `MIN_NUMEL` values (below, the fused reduction costs less than the
 op's call); which way a tensor goes is decided while tracing, a constant of the graph.
 """
