@@ -325,3 +325,36 @@ def test_a_tensor_value_recorded_again_shares_its_slot_unless_slots_are_written_
     assert written is not returned and written.row != returned.row
     records = next(iter(load_dump(tmp_path).values())).data
     assert records["Torch.sigmoid.0.forward"]["input_args"][0] == records["Torch.relu.0.forward"]["output"][0]
+
+
+class _InPlaceBlock(nn.Module):
+    """In-place writes the API mode saw at L0: into an input inside a call, into an output after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.other, self.act = nn.Linear(4, 4), nn.Linear(4, 4), nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        h += self.other(x)       # an output written after its call: no fc backward entry
+        return self.act(h) * 2   # the ReLU's input written within the call
+
+
+def test_l0_without_the_api_mode_records_what_the_mode_recorded(tmp_path, monkeypatch):
+    """L0 measures at its hooks and finds rewritten outputs by version: the same records as with
+    the API mode, and no mode pushed."""
+    from msprobe_engine.frameworks.torch.capture.recorder import Recorder
+    torch.manual_seed(0)
+    model, x = _InPlaceBlock(), torch.randn(2, 4, requires_grad=True)
+    modes = []
+
+    def step() -> None:
+        modes.append(torch.overrides._get_current_function_mode_stack())
+        model(x).sum().backward()
+
+    eager = _run(tmp_path / "eager", step, model, level="L0")
+    monkeypatch.setattr(Recorder, "measures_at_hooks", False)
+    guarded = _run(tmp_path / "mode", step, model, level="L0")
+    assert modes[0] == [] and len(modes[1]) == 1
+    assert eager == guarded
+    assert "Module.fc.Linear.forward.0" in eager and "Module.fc.Linear.backward.0" not in eager

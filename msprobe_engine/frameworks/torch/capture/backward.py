@@ -91,7 +91,21 @@ class GradCall:
         self.integral: frozenset[int] = frozenset()
         self._done = done
         self._handles: list = []
+        #: (weak reference, version) of each output (`note_versions`), where no API mode sees writes
+        self._versions: list[tuple[weakref.ref, int]] = []
         self._lock = threading.Lock()
+
+    def note_versions(self, outputs: Iterable[torch.Tensor]) -> None:
+        """Keep the outputs' versions, for `check_versions`."""
+        self._versions = [(weakref.ref(t), t._version) for t in outputs]
+
+    def check_versions(self) -> None:
+        """Mark the call `rewritten` when an output still alive was written in place since `note_versions`."""
+        for ref, seen in self._versions:
+            tensor = ref()
+            if tensor is not None and tensor._version != seen:
+                self.rewritten = True
+        self._versions = []
 
     def sent_grads(self) -> list[torch.Tensor | None]:
         """The gradient sent to each input that can take one (integer inputs left out, as in

@@ -26,6 +26,7 @@ class HeldTensorsRecorder(Recorder):
     """Base of the recorders that keep chosen calls; subclasses implement `choose`."""
 
     shares_slots = False  # a chosen entry's slots are named (data_name) after the step
+    measures_at_hooks = False  # held tensors are cloned before in-place calls (the API mode)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._held: list[tuple[TensorSlot, torch.Tensor, str]] = []

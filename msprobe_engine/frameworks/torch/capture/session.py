@@ -61,7 +61,9 @@ class PrecisionDebugger(DumpSession):
         check_names(self.config, modules, ctx.catalog)
         self._operators = ctx.operators = OperatorNames() if self.config.level in ("L1", "mix") else None
         self._recorder = recorder(ctx)
-        self._mode = ApiMode(self._recorder.api_call)
+        # at L0 a recorder that measures at its hooks (`measures_at_hooks`) needs no API mode
+        eager = self.config.level == "L0" and getattr(self._recorder, "measures_at_hooks", False)
+        self._mode = None if eager else ApiMode(self._recorder.api_call)
         if model is not None:
             self._hook_model(model)
 
@@ -93,7 +95,7 @@ class PrecisionDebugger(DumpSession):
         if self._operators is not None:
             self._operators.install()
         if self._mode is not None:
-            push_mode(self._mode)  # also in L0: it measures waiting tensors before in-place calls
+            push_mode(self._mode)  # at L0 only for recorders measuring waiting tensors before in-place calls
 
     def _deactivate(self) -> None:
         if self._recorder is None or not self._recorder.active:

@@ -38,8 +38,11 @@ def _storage(tensor: torch.Tensor) -> int | None:
 class StatBuffer:
     """Rows of one step. Not thread-safe: the recorder serialises calls."""
 
-    def __init__(self, backend: Any) -> None:
+    def __init__(self, backend: Any, deferred: bool = False) -> None:
+        """`deferred`: batches are reduced but packed only at `to_host` (cheaper when many small
+        batches are flushed: L0 measures at every module hook)."""
         self.backend = backend
+        self.deferred = deferred
         self.transfers = 0
         self.reset()
 
@@ -115,7 +118,7 @@ class StatBuffer:
         if changed:
             log.warning("msprobe dump: %d tensor(s) changed in place (outside the calls the dump sees) before "
                         "their statistics were taken; their records show the changed values", changed)
-        self._blocks.append(self.backend.partial_stats(batch))
+        self._blocks.append(self.backend.partial_stats(batch, deferred=self.deferred))
         self._rows += len(batch)
 
     def to_host(self) -> np.ndarray:
