@@ -21,6 +21,7 @@ import pytest  # noqa: E402
 from mindspore import Parameter, Tensor, nn, ops  # noqa: E402
 from mindspore.train import Model  # noqa: E402
 
+from msprobe_engine.frameworks.mindspore.backend import Difference, partial_stats, plan_rows, stat_rows  # noqa: E402
 from msprobe_engine.dump import iter_dump_tensors, load_dump  # noqa: E402
 from msprobe_engine.incident.actions import TrainingStopped  # noqa: E402
 from msprobe_integrations.mindspore import FiniteGate, MindSporeMonitor, MonitorCallback  # noqa: E402
@@ -473,3 +474,41 @@ def test_a_gpt2_ported_from_a_transformers_config_measures_as_in_pynative(tmp_pa
         assert keyword and not keyword & set(got)
         assert_same_activations(got, {tag: v for tag, v in want.items() if tag not in keyword})
     assert losses == train_gpt2("graph")[0]
+
+
+class _PackedRows(nn.Cell):
+    """`stat_rows` of a plan with a pack, compiled as a graph tap compiles it."""
+
+    def __init__(self, plan, count_zeros: bool) -> None:
+        super().__init__()
+        self.plan, self.count_zeros = plan, count_zeros
+
+    @ms.jit
+    def construct(self, tensors):
+        plan = self.plan
+        return stat_rows(tensors, plan.layout, plan.differences, plan.empty, plan.gather, self.count_zeros, plan.pack)
+
+
+@pytest.mark.parametrize("poisoned", [False, True])
+def test_packed_rows_of_a_graph_tap_equal_the_per_group_rows(poisoned):
+    """The graph taps' packed reduction (small tensors, an update, a float64 one and a large one
+    beside them) gives `partial_stats`' rows: min/max exact, sums within float32 reordering,
+    nan/inf/zero counts and numel exact, a nan's min and max nan."""
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(shape).astype(np.float32) for shape in [(3, 700), (10,), (5000,), (40, 40)]]
+    arrays[1][:4] = 0.0
+    if poisoned:
+        arrays[2][[7, 4099]] = [np.nan, np.inf]
+    tensors = [Tensor(a) for a in arrays] + [Tensor(rng.standard_normal(70000).astype(np.float32)),
+                                             Tensor(rng.standard_normal(9))]
+    items = tensors + [Difference(tensors[3], Tensor(arrays[3] * 0.5))]
+    count_zeros = poisoned  # one compile per case
+    plan = plan_rows(items, range(len(items)), packed=True)
+    assert plan.pack is not None and plan.pack.members == 5  # the four small float32 ones and the update
+    flat = tuple(t for i in plan.order for t in (items[i] if isinstance(items[i], Difference) else (items[i],)))
+    got = _PackedRows(plan, count_zeros)(flat).asnumpy()
+    want = partial_stats(items, count_zeros).asnumpy()
+    np.testing.assert_array_equal(got[:, [0, 1, 4, 5, 6, 7]], want[:, [0, 1, 4, 5, 6, 7]])
+    np.testing.assert_allclose(got[:, 2:4], want[:, 2:4], rtol=1e-5, atol=1e-5)
+    assert np.isnan(got[2, 0]) == poisoned and got[2, 4:6].tolist() == ([1, 1] if poisoned else [0, 0])
+    assert got[1, 6] == 4 if count_zeros else np.isnan(got[1, 6])  # the zero count, taken on request

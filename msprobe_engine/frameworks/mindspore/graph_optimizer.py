@@ -60,7 +60,8 @@ def _tapped_class(base: type) -> type:
                 else:
                     items = items + (ops.depend(params[i], out), before[i])
             plan = self._msprobe_plan
-            rows = stat_rows(items, plan.layout, plan.differences, plan.empty, plan.gather, self._msprobe_zeros)
+            rows = stat_rows(items, plan.layout, plan.differences, plan.empty, plan.gather, self._msprobe_zeros,
+                             plan.pack)
             buffer = self._msprobe_buffer
             width = buffer.shape[1]
             if width > rows.shape[1]:  # registered columns: nan (their reducers run outside graphs)
@@ -113,7 +114,7 @@ class OptimizerTap:
         self._written = 0.0
         if not keys:
             return
-        plan = plan_rows(stand_ins, range(len(stand_ins)))
+        plan = plan_rows(stand_ins, range(len(stand_ins)), packed=True)
         self.buffer = Parameter(Tensor(np.zeros((len(keys) + 1, columns.n_columns()))),
                                 name="msprobe_optimizer_statistics", requires_grad=False)
         self._base = type(optimizer)
