@@ -138,8 +138,9 @@ def plan_rows(items: Sequence[Measured], rows_of: Sequence[int], packed: bool = 
     order = together + [i for members in groups.values() for i in members] + empty
     layout = tuple((numel, len(members), wide) for (wide, numel, _), members in groups.items())
     row_of = np.argsort(order)
+    constants = pack([items[i].size for i in together]) if together else None
     return RowPlan(order, layout, tuple(isinstance(items[i], Difference) for i in order), len(empty),
-                   tuple(int(row_of[i]) for i in rows_of), pack([items[i].size for i in together]) if together else None)
+                   tuple(int(row_of[i]) for i in rows_of), constants)
 
 
 def tensor_meta(tensor: Measured) -> tuple:

@@ -25,8 +25,9 @@ CHUNK = 1 << 10
 class Pack(NamedTuple):
     """Constants of the packed reduction of `members` tensors (the first ones a plan takes):
     `index` and `mask` ``[chunks, CHUNK]`` (where each element of the matrix comes from in the
-    concatenated tensors; 0 at pads), `numels` float64 (their sizes), `owner` ``[members, most chunks]`` (each tensor's chunks, its
-    last repeated) and `spread` (the same, padded with `chunks`: the index of an appended 0)."""
+    concatenated tensors; 0 at pads), `numels` float64 (their sizes), `owner` ``[members, most
+    chunks]`` (each tensor's chunks, its last repeated) and `spread` (the same, padded with
+    `chunks`: the index of an appended 0)."""
     members: int
     index: Tensor
     mask: Tensor
