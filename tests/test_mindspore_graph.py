@@ -21,6 +21,7 @@ import pytest  # noqa: E402
 from mindspore import Parameter, Tensor, nn, ops  # noqa: E402
 from mindspore.train import Model  # noqa: E402
 
+from msprobe_engine.frameworks.mindspore.backend import Difference, partial_stats, plan_rows, stat_rows  # noqa: E402
 from msprobe_engine.dump import iter_dump_tensors, load_dump  # noqa: E402
 from msprobe_engine.incident.actions import TrainingStopped  # noqa: E402
 from msprobe_integrations.mindspore import FiniteGate, MindSporeMonitor, MonitorCallback  # noqa: E402
@@ -473,3 +474,77 @@ def test_a_gpt2_ported_from_a_transformers_config_measures_as_in_pynative(tmp_pa
         assert keyword and not keyword & set(got)
         assert_same_activations(got, {tag: v for tag, v in want.items() if tag not in keyword})
     assert losses == train_gpt2("graph")[0]
+
+
+class _PackedRows(nn.Cell):
+    """`stat_rows` of a plan with a pack, compiled as a graph tap compiles it."""
+
+    def __init__(self, plan, count_zeros: bool) -> None:
+        super().__init__()
+        self.plan, self.count_zeros = plan, count_zeros
+
+    @ms.jit
+    def construct(self, tensors):
+        plan = self.plan
+        return stat_rows(tensors, plan.layout, plan.differences, plan.empty, plan.gather, self.count_zeros, plan.pack)
+
+
+def test_packed_rows_of_a_graph_tap_equal_the_per_group_rows():
+    """The graph taps' packed reduction (small tensors, an update, a float64 one and a large one
+    beside them) gives `partial_stats`' rows, finite and with a nan and an inf (one compile):
+    min/max exact, sums within float32 reordering, nan/inf/zero counts and numel exact, a nan's
+    min and max nan, the other tensors' rows untouched by it."""
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(shape).astype(np.float32) for shape in [(3, 700), (10,), (5000,), (40, 40)]]
+    arrays[1][:4] = 0.0
+    finite = [Tensor(a) for a in arrays] + [Tensor(rng.standard_normal(70000).astype(np.float32)),
+                                            Tensor(rng.standard_normal(9))]
+    arrays[2][[7, 4099]] = [np.nan, np.inf]
+    poisoned = [*finite[:2], Tensor(arrays[2]), *finite[3:]]
+    half = Tensor(arrays[3] * 0.5)
+    compiled = None
+    for tensors in (finite, poisoned):
+        items = tensors + [Difference(tensors[3], half)]
+        plan = plan_rows(items, range(len(items)), packed=True)
+        assert plan.pack is not None and plan.pack.members == 5  # the four small float32 ones and the update
+        compiled = compiled or _PackedRows(plan, True)
+        flat = tuple(t for i in plan.order for t in (items[i] if isinstance(items[i], Difference) else (items[i],)))
+        got = compiled(flat).asnumpy()
+        want = partial_stats(items, True).asnumpy()
+        np.testing.assert_array_equal(got[:, [0, 1, 4, 5, 6, 7]], want[:, [0, 1, 4, 5, 6, 7]])
+        np.testing.assert_allclose(got[:, 2:4], want[:, 2:4], rtol=1e-5, atol=1e-5)
+        nan = tensors is poisoned
+        assert np.isnan(got[2, 0]) == nan and got[2, 4:6].tolist() == ([1, 1] if nan else [0, 0])
+        assert got[1, 6] == 4 and np.isfinite(got[[0, 1, 3, 4, 5, 6], 2]).all()
+
+
+class Counting(nn.Cell):
+    """Counts its calls in a Parameter assigned in its own `construct`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = Parameter(Tensor(0.0, ms.float32), name="calls", requires_grad=False)
+        self.dense = nn.Dense(6, 3)
+
+    def construct(self, x):
+        self.calls = self.calls + 1
+        return self.dense(x)
+
+
+def test_a_watched_cell_assigning_its_own_parameter_in_construct_keeps_the_assignment_when_compiled(tmp_path):
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        ms.set_seed(0)
+        counting = Counting()
+        net = nn.SequentialCell(counting, nn.Tanh())
+        opt = nn.Adam(net.trainable_params(), learning_rate=0.01)
+        monitor = MindSporeMonitor(net, opt, config(tmp_path))
+        step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), opt, return_grad=True)
+        for x, y in batches(2):
+            loss, grads = step(Tensor(x), Tensor(y))
+            monitor.step_end(loss, grads)
+        monitor.close()
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    assert float(counting.calls.asnumpy()) == 2
+    assert type(counting) is Counting  # the tap was removed

@@ -30,10 +30,14 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, ops
 
+from msprobe_engine.frameworks.mindspore.packed_rows import Pack, pack, packed_counts, packed_matrix, packed_stats
 from msprobe_engine.stats import columns
 
 #: Tensors above this many elements are reduced on their own, not concatenated.
 LARGE_NUMEL = 1 << 16
+#: Graph taps measure float32-family tensors of at most this many elements packed together
+#: (`packed_rows`): fewer kernels; larger ones cost more in the packing copy than they save.
+PACK_NUMEL = 1 << 14
 #: Longer tensors are summed in float32 per chunk of this many elements, the chunk sums
 #: in float64 (MindSpore's float32 sum of a million elements drifts by about 1e-5).
 SUM_CHUNK = 1 << 10
@@ -103,33 +107,40 @@ def _builtin_stats(tensors: Sequence[Measured], count_zeros: bool) -> Tensor:
 
 class RowPlan(NamedTuple):
     """How `stat_rows` measures some items: `order` (the items in the order it takes them), and its
-    arguments `layout`, `differences`, `empty`, `gather` (constants of its compiled graph)."""
+    arguments `layout`, `differences`, `empty`, `gather`, `pack` (constants of its compiled graph)."""
     order: list[int]
     layout: tuple[tuple[int, int, bool], ...]
     differences: tuple[bool, ...]
     empty: int
     gather: tuple[int, ...]
+    pack: Pack | None = None
 
 
-def plan_rows(items: Sequence[Measured], rows_of: Sequence[int]) -> RowPlan:
+def plan_rows(items: Sequence[Measured], rows_of: Sequence[int], packed: bool = False) -> RowPlan:
     """The plan of `stat_rows` for the distinct `items` (only their dtypes and sizes are read: a
     Parameter may stand for its gradient), whose row i is that of item `rows_of[i]`: same-length
-    items of a family grouped, the float32 family first, the empty ones last."""
+    items of a family grouped, the float32 family first, the empty ones last. `packed`: the
+    float32-family items of at most PACK_NUMEL elements are measured together (`packed_rows`),
+    first (for graph taps: fewer kernels)."""
     groups: dict[tuple[bool, int, int], list[int]] = {}
     empty: list[int] = []
+    together: list[int] = []
     for i, item in enumerate(items):
         numel = item.size
         if numel == 0:
             empty.append(i)
+        elif packed and numel <= PACK_NUMEL and item.dtype in _LOW_PRECISION:
+            together.append(i)
         else:
             alone = i if numel > LARGE_NUMEL else -1
             groups.setdefault((item.dtype not in _LOW_PRECISION, numel, alone), []).append(i)
     groups = dict(sorted(groups.items(), key=lambda entry: entry[0][0]))  # the float32 family first
-    order = [i for members in groups.values() for i in members] + empty
+    order = together + [i for members in groups.values() for i in members] + empty
     layout = tuple((numel, len(members), wide) for (wide, numel, _), members in groups.items())
     row_of = np.argsort(order)
+    constants = pack([items[i].size for i in together]) if together else None
     return RowPlan(order, layout, tuple(isinstance(items[i], Difference) for i in order), len(empty),
-                   tuple(int(row_of[i]) for i in rows_of))
+                   tuple(int(row_of[i]) for i in rows_of), constants)
 
 
 def tensor_meta(tensor: Measured) -> tuple:
@@ -182,26 +193,34 @@ def _rows(tensors, layout, differences, empty, gather, count_zeros):
     return stat_rows(tensors, layout, differences, empty, gather, count_zeros)
 
 
-def stat_rows(tensors, layout, differences, empty, gather, count_zeros):
+def stat_rows(tensors, layout, differences, empty, gather, count_zeros, packed=None):
     """Built-in rows of the measured items (plain MindSpore code: also compiled into a train step's
-    graph by `graph_optimizer`): groups of (numel, members, accumulate in float64) as
+    graph by `graph_optimizer`): first the `packed` ones (a `packed_rows.Pack`, or None), then groups
+    of (numel, members, accumulate in float64) as
     `layout` says, the float32 family first, then `empty` empty tensors; an item is one
     tensor, or two (after, before) where `differences` says so; row `gather[i]` is the i-th
     result. Compiled once per layout; traced, so the Python loops unroll."""
     f64 = ms.float64
     narrow, wide = [], []  # (min, max, sum, sum of squares) per group, by family
-    matrices = []
+    matrices = []  # (matrix, its Pack or None)
     start = 0  # the next item
     position = 0  # its first tensor
+    numels = []
+    if packed is not None:
+        flats = []
+        for item in range(packed.members):
+            value, position = _item(tensors, position, differences[item])
+            flats.append(value.astype(ms.float32).reshape(-1))
+        start = packed.members
+        matrix = packed_matrix(flats, packed)
+        narrow.append(packed_stats(matrix, packed))
+        matrices.append((matrix, packed))
+        numels.append(packed.numels)
     for numel, members, is_wide in layout:
         acc = f64 if is_wide else ms.float32
         flats = []
         for item in range(start, start + members):
-            value = tensors[position]
-            if differences[item]:
-                value = value - tensors[position + 1]
-                position += 1
-            position += 1
+            value, position = _item(tensors, position, differences[item])
             flats.append(value.astype(acc).reshape(1, numel))
         start += members
         matrix = ops.cat(flats) if members > 1 else flats[0]
@@ -211,7 +230,7 @@ def stat_rows(tensors, layout, differences, empty, gather, count_zeros):
             wide.append(stats)
         else:
             narrow.append(stats)
-        matrices.append(matrix)
+        matrices.append((matrix, None))
     blocks = []
     if narrow:
         blocks.append(_stack(narrow))
@@ -231,9 +250,17 @@ def stat_rows(tensors, layout, differences, empty, gather, count_zeros):
         zeros = _counts(_is_zero, matrices, empty)
     else:
         zeros = ops.cat(([ops.fill(f64, (start,), _NAN)] if start else []) + _zeros(empty, f64))  # torch: 0 if empty
-    numels = [ops.fill(f64, (members,), numel) for numel, members, _ in layout] + _zeros(empty, f64)
+    numels += [ops.fill(f64, (members,), numel) for numel, members, _ in layout] + _zeros(empty, f64)
     rows = ops.cat([values, counts, ops.stack([zeros, ops.cat(numels)], 1)], 1)
     return ops.gather(rows, Tensor(gather, ms.int32), 0)
+
+
+def _item(tensors, position, difference):
+    """The item whose first tensor is `tensors[position]` (a `Difference`'s after minus before), and
+    the position of the next one."""
+    if difference:
+        return tensors[position] - tensors[position + 1], position + 2
+    return tensors[position], position + 1
 
 
 def sums(matrix, members, numel):
@@ -258,7 +285,8 @@ def _stack(family):
 
 def _counts(test, matrices, empty):
     """Per tensor, how many elements pass `test` (exact, int32), as one float64 vector."""
-    parts = [test(matrix).astype(ms.int32).sum(1) for matrix in matrices] + _zeros(empty, ms.int32)
+    parts = [test(matrix).astype(ms.int32).sum(1) if constants is None else packed_counts(test, matrix, constants)
+             for matrix, constants in matrices] + _zeros(empty, ms.int32)
     return ops.cat(parts).astype(ms.float64)
 
 

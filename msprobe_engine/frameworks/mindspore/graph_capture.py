@@ -114,9 +114,11 @@ def _tapped_class(base: type) -> type:
 
     class Tapped(base):
         def construct(self, *args, **kwargs):
+            # `super()`, not `base.construct(self, ...)`: compiled that way, the Cell's own attribute
+            # assignments (`self.calls = self.calls + 1` on a Parameter) would not update its Parameters
             if self._msprobe_eager:
-                return base.construct(self, *args, **kwargs)
-            out = base.construct(self, *args, **kwargs)
+                return super().construct(*args, **kwargs)
+            out = super().construct(*args, **kwargs)
             if self._msprobe_in >= 0:
                 out = ops.depend(out, _record(self._msprobe_buffer, self._msprobe_in, args, self._msprobe_zeros))
             if self._msprobe_out >= 0:

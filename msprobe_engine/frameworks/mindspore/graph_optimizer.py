@@ -13,8 +13,10 @@ monitor under the names the optimizer hooks use (`grad/<param>`, `param/<param>`
 parameter list (its parameters, names and checkpoints are unchanged).
 
 Called eagerly (PyNative), the subclass's `construct` is the original one and the optimizer hooks
-measure as before. Limits: the statistics are computed at every step of the graph, monitored or
-not (only the read is skipped); registered columns are nan; a step whose optimizer did not run
+measure as before. An unmonitored step skips the statistics: they sit in a branch of the graph on
+a flag Parameter (`monitor`, set by the host before the step), so switching costs no recompile.
+Limits: the parameters' copy for the update is still taken at every step; registered columns
+are nan; a step whose optimizer did not run
 (a `FiniteGate` that skipped it) or a graph compiled before the monitor was attached writes no
 rows: `take` returns None and the monitor measures what it was handed, as without the tap.
 """
@@ -51,6 +53,11 @@ def _tapped_class(base: type) -> type:
                 for i in range(len(params)):
                     before = before + (ops.deepcopy(params[i]),)
             out = super().construct(gradients)
+            if self._msprobe_on:  # a graph branch: an unmonitored step skips the statistics
+                out = self._msprobe_write(gradients, params, before, out)
+            return out
+
+        def _msprobe_write(self, gradients, params, before, out):
             items = ()
             for what, source, i in self._msprobe_items:
                 if what == GRAD:
@@ -60,7 +67,8 @@ def _tapped_class(base: type) -> type:
                 else:
                     items = items + (ops.depend(params[i], out), before[i])
             plan = self._msprobe_plan
-            rows = stat_rows(items, plan.layout, plan.differences, plan.empty, plan.gather, self._msprobe_zeros)
+            rows = stat_rows(items, plan.layout, plan.differences, plan.empty, plan.gather, self._msprobe_zeros,
+                             plan.pack)
             buffer = self._msprobe_buffer
             width = buffer.shape[1]
             if width > rows.shape[1]:  # registered columns: nan (their reducers run outside graphs)
@@ -71,8 +79,8 @@ def _tapped_class(base: type) -> type:
     return tapped(Tapped, base)
 
 
-_TAP_ATTRIBUTES = ("_msprobe_eager", "_msprobe_sources", "_msprobe_update", "_msprobe_items", "_msprobe_plan",
-                   "_msprobe_zeros", "_msprobe_buffer")
+_TAP_ATTRIBUTES = ("_msprobe_on", "_msprobe_eager", "_msprobe_sources", "_msprobe_update", "_msprobe_items",
+                   "_msprobe_plan", "_msprobe_zeros", "_msprobe_buffer")
 
 
 class OptimizerTap:
@@ -113,14 +121,23 @@ class OptimizerTap:
         self._written = 0.0
         if not keys:
             return
-        plan = plan_rows(stand_ins, range(len(stand_ins)))
+        plan = plan_rows(stand_ins, range(len(stand_ins)), packed=True)
         self.buffer = Parameter(Tensor(np.zeros((len(keys) + 1, columns.n_columns()))),
                                 name="msprobe_optimizer_statistics", requires_grad=False)
         self._base = type(optimizer)
         optimizer.__class__ = _tapped_class(self._base)
-        for attr, value in zip(_TAP_ATTRIBUTES, (False, sources, update, tuple(items[i] for i in plan.order), plan,
-                                                 count_zeros, self.buffer)):
+        #: whether the step about to run is monitored (read by the graph at run time: no recompile)
+        self.on = Parameter(Tensor(True), name="msprobe_optimizer_monitored", requires_grad=False)
+        self._on = True
+        values = (self.on, False, sources, update, tuple(items[i] for i in plan.order), plan, count_zeros, self.buffer)
+        for attr, value in zip(_TAP_ATTRIBUTES, values):
             object.__setattr__(optimizer, attr, value)
+
+    def monitor(self, on: bool) -> None:
+        """Whether the next step's graph measures (a host write only when it changes)."""
+        if self.optimizer is not None and on != self._on:
+            ops.assign(self.on, Tensor(on))
+            self._on = on
 
     def take(self) -> np.ndarray | None:
         """The rows the graph wrote since the last call (host float64, in `keys` order), read with
