@@ -17,7 +17,8 @@ Printed: one table per model, then, as the LAST line, one JSON object:
 
 `--compiled` [--configs ...]: every model compiled in place (`model.compile()`, inductor), one
 process per mode (a second instance in a process would reuse the first one's graphs), a `none`
-process beside each config's, the two stepped in turn (rounds interleaved, the order rotated);
+process beside each config's, the two stepped in turn, a few steps back to back a turn (rounds
+interleaved, the order rotated; `run_interleaved`);
 ratio = ours over that `none` (wall clock; `cpu_ratio`: the processes' CPU time); the graph
 breaks and graphs of each first step are reported too (docs/compile.md). The predecessor's
 monitor (`pred_<config>`) runs compiled the same way, in a process of its own beside a `none` of
@@ -52,6 +53,8 @@ FLOORS = [f"floor_{c}" for c in CONFIGS]
 LEVELS = ("L0", "L1", "mix")
 #: what starts a reply line of a `serve` process
 REPLY = "@@"
+#: steps a `serve` process runs back to back a turn (`run_interleaved`)
+BURST = 4
 
 
 def groups(model: str) -> list[list[str]]:
@@ -105,9 +108,9 @@ def worker(model_name: str, modes: list[str], steps: int, warmup: int) -> dict[s
 
 def serve(model_name: str, mode_name: str) -> None:
     """One mode of one compiled model, stepped on request (`--serve`): prints its first step's graph
-    breaks and graphs as JSON, then the seconds of one step (wall clock, then the process's CPU time)
-    for each "step" line read from stdin; each reply on a line of its own after `REPLY` (the
-    predecessor logs to stdout too)."""
+    breaks and graphs as JSON, then for each "steps K" line read from stdin runs K steps back to back
+    and replies with the seconds of each (wall clock, then the process's CPU time); each reply on a
+    line of its own after `REPLY` (the predecessor logs to stdout too)."""
     import logging
 
     import torch
@@ -134,11 +137,13 @@ def serve(model_name: str, mode_name: str) -> None:
     print(REPLY, json.dumps({"graph_breaks": sum(counters["graph_break"].values()),
                              "graphs": counters["stats"]["unique_graphs"]}), flush=True)
     for line in sys.stdin:
-        if line.strip() != "step":
+        word, _, count = line.partition(" ")
+        if word != "steps":
             break
-        start, cpu = time.perf_counter(), time.process_time()
-        mode.run(step)
-        print(REPLY, time.perf_counter() - start, time.process_time() - cpu, flush=True)
+        for _ in range(int(count)):
+            start, cpu = time.perf_counter(), time.process_time()
+            mode.run(step)
+            print(REPLY, time.perf_counter() - start, time.process_time() - cpu, flush=True)
     mode.close()
 
 
@@ -151,9 +156,16 @@ def _reply(proc: subprocess.Popen) -> str | None:
 
 
 def run_interleaved(model: str, modes: list[str], steps: int, warmup: int) -> dict[str, float]:
-    """Each mode in a process of its own (`serve`), stepped in turn, the order rotated every round:
-    the median seconds of each (wall clock; `<mode>:cpu` its process's CPU time), and its first
-    step's graph breaks and graphs. A worker that exits raises RuntimeError with its stderr's end."""
+    """Each mode in a process of its own (`serve`), stepped in turn, `BURST` steps back to back a
+    turn, the order rotated every round: the median seconds of each (wall clock; `<mode>:cpu` its
+    process's CPU time) over the steps after the first of each burst, and its first step's graph
+    breaks and graphs. `steps` and `warmup` count rounds. A worker that exits raises RuntimeError
+    with its stderr's end.
+
+    Bursts, because a process's background work (the monitor's writer thread: its sinks) runs while
+    its training thread steps on, taking the GIL from it, as in a real run; one step a turn would
+    leave that work to the idle time while the other process steps (llama-1m full: 1.6 instead of
+    2.0). The first step of a burst follows such a pause, so it is not timed."""
     errors = {m: tempfile.TemporaryFile("w+") for m in modes}
     procs = {m: subprocess.Popen([sys.executable, __file__, "--serve", model, "--modes", m], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, stderr=errors[m], text=True) for m in modes}
@@ -170,12 +182,13 @@ def run_interleaved(model: str, modes: list[str], steps: int, warmup: int) -> di
         for i in range(warmup + steps):
             shift = i % len(modes)
             for m in modes[shift:] + modes[:shift]:
-                procs[m].stdin.write("step\n")
+                procs[m].stdin.write(f"steps {BURST}\n")
                 procs[m].stdin.flush()
-                wall, cpu = map(float, _reply(procs[m]).split())
+                replies = [map(float, _reply(procs[m]).split()) for _ in range(BURST)]
                 if i >= warmup:
-                    times[m].append(wall)
-                    times[f"{m}:cpu"].append(cpu)
+                    for wall, cpu in replies[1:]:
+                        times[m].append(wall)
+                        times[f"{m}:cpu"].append(cpu)
     finally:
         for m, proc in procs.items():
             proc.stdin.close()
