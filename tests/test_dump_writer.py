@@ -113,7 +113,8 @@ def test_non_finite_values_are_written_as_the_reference_writes_them():
     import numpy as np
 
     from msprobe_engine.dump.entry import TensorSlot, render_entries
-    from msprobe_engine.dump.writer import dump_json_text, json_special
+    from msprobe_engine.dump.writer import dump_json_text
+    from msprobe_engine.json_text import json_special
     from msprobe_engine.stats import empty_rows
 
     entries = {"Functional.clip.0.forward": {"input_args": [{"type": "float", "value": float("-inf")},

@@ -105,13 +105,16 @@ def test_a_failing_write_is_reported_and_the_writer_goes_on(caplog):
 
 
 def test_csv_rows_are_what_csv_writer_writes_quotes_and_floats_included(tmp_path):
+    """Fields and quoting as csv.writer's; each number reads back as the same value (its text is
+    orjson's spelling, e.g. 0.00001 for 1e-05; nan and infinities as repr writes them)."""
     import io
 
     from msprobe_engine.records import StepRecord
     from msprobe_engine.sinks.csv_sink import CSV_NAME, CsvSink
 
     metrics = {"actv/a,b/output/norm": 1.5, 'grad/q"x/max': float("nan"), "optim/w/inf": float("inf"),
-               "param/n/min": -0.0, "monitor/tensors": 3, "param/t/norm": 1e-300, "train/sp ace": 0.1 + 0.2}
+               "param/n/min": -0.0, "monitor/tensors": 3, "param/t/norm": 1e-300, "train/sp ace": 0.1 + 0.2,
+               "train/small": 1e-05, "train/big": 1e22, "train/low": float("-inf")}
     sink = CsvSink(CsvSink.Config(name="csv"), tmp_path)
     sink.open()
     other = {**metrics, "train/flag": True, "train/np": np.float32(0.5)}  # other types: through csv.writer
@@ -124,20 +127,49 @@ def test_csv_rows_are_what_csv_writer_writes_quotes_and_floats_included(tmp_path
     writer.writerow(["step", "tag", "value"])
     for step, values in records:
         writer.writerows((step, tag, value) for tag, value in values.items())
-    assert (tmp_path / CSV_NAME).read_bytes().decode() == expected.getvalue()
+    text = (tmp_path / CSV_NAME).read_bytes().decode()
+    got, want = list(csv.reader(io.StringIO(text))), list(csv.reader(io.StringIO(expected.getvalue())))
+    assert [row[:2] for row in got] == [row[:2] for row in want]  # the steps, the tags' fields
+    assert [repr(float(a)) for (*_, a) in got[1:] if a != "True"] == [repr(float(b)) for (*_, b) in want[1:] if b != "True"]
+    assert text.count("\r\n") == len(want)  # csv.writer's line ends
+    assert "7,train/small,0.00001\r\n" in text  # orjson's spelling (repr: 1e-05)
+    assert '7,"grad/q""x/max",nan\r\n' in text and "7,train/low,-inf\r\n" in text  # as repr writes them
+
+
+def _same_json(text: str | bytes) -> object:
+    """`text` parsed, nan and infinities as strings (comparable)."""
+    return json.loads(text, parse_constant=str)
 
 
 def test_jsonl_lines_are_the_records_as_json():
     from msprobe_engine.records import AlertEvent, StepRecord
-    from msprobe_engine.sinks.jsonl_sink import RecordLine
+    from msprobe_engine.sinks.jsonl_sink import record_line
 
     metrics = {'actv/a"b\\c/output/norm': 1.5, "grad/é/max": float("nan"), "optim/w/inf": float("inf"),
                "param/n/min": float("-inf"), "param/z/min": -0.0, "monitor/tensors": 3, "param/t/norm": 1e-300,
                "train/x": 0.1 + 0.2, "train/big": 1e22}
+    finite = {tag: v for tag, v in metrics.items() if v - v == 0}
     alert = AlertEvent("spike", "train/x", "start", 4, 9.5, threshold=2.0, also=("a", "b"))
-    line = RecordLine()
-    records = [StepRecord(4, 0, 2, metrics, [alert], 12.5), StepRecord(5, 1, 1, metrics, [], 13.0),
+    nan_alert = AlertEvent("non_finite", "grad/é/max", "start", 4, float("nan"))
+    records = [StepRecord(4, 0, 2, metrics, [alert, nan_alert], 12.5), StepRecord(5, 1, 1, metrics, [], 13.0),
                StepRecord(6, 0, 1, {}, [], 0.0), StepRecord(7, 0, 1, {**metrics, "train/flag": True}),
-               StepRecord(8, 0, 1, dict(reversed(metrics.items())))]
+               StepRecord(8, 0, 1, dict(reversed(metrics.items()))), StepRecord(9, 0, 1, finite)]
     for record in records:
-        assert line(record) == record.as_json()
+        line = record_line(record)
+        assert _same_json(line) == _same_json(record.as_json())
+        assert list(json.loads(line)["metrics"]) == list(record.metrics)  # the tags' order kept
+        if -0.0 in record.metrics.values() and True not in record.metrics.values():
+            assert b'"param/z/min":-0.0' in line  # the sign of a zero kept
+
+
+def test_number_texts_read_back_as_the_same_numbers():
+    from msprobe_engine.json_text import number_texts
+
+    rng = np.random.default_rng(3)
+    values = [float(v) for v in rng.standard_normal(500) * 10.0 ** rng.integers(-300, 300, 500)]
+    values += [0.0, -0.0, 5e-324, 1.7976931348623157e308, 2 ** 53, -7, float("nan"), float("inf"), float("-inf")]
+    texts = number_texts(values)
+    assert len(texts) == len(values)
+    assert [repr(float(t)) for t in texts] == [repr(float(v)) for v in values]
+    assert texts[-3:] == [b"nan", b"inf", b"-inf"] and texts[-4] == b"-7"
+    assert number_texts([]) == []

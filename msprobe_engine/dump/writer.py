@@ -34,6 +34,7 @@ from msprobe_engine.dump.entry import TensorSlot, rendered_entries
 from msprobe_engine.dump.reader import CONSTRUCT_JSON, DUMP_JSON, STACK_JSON, TENSOR_DIR
 from msprobe_engine.dump.schema import iter_dump_tensors
 from msprobe_engine.dump.task import DUMP_TASKS
+from msprobe_engine.json_text import json_special
 
 #: a raw call stack: (file, line, function) per frame, innermost last
 Frames = Sequence[tuple[str, int, str]]
@@ -79,15 +80,6 @@ def rank_dir_name(rank: int | None, legacy: bool = False) -> str:
     if rank is not None:
         return f"rank{rank}"
     return "rank" if legacy else f"proc{os.getpid()}"
-
-
-def json_special(value: float) -> orjson.Fragment:
-    """A non-finite float as the reference writes it (``NaN``, ``Infinity``, ``-Infinity``): orjson
-    would write null."""
-    return _SPECIAL["NaN" if value != value else "Infinity" if value > 0 else "-Infinity"]
-
-
-_SPECIAL = {text: orjson.Fragment(text.encode()) for text in ("NaN", "Infinity", "-Infinity")}
 
 
 def dump_json_text(meta: dict[str, Any], data: dict[str, Any] | Iterable[tuple[str, Any]]) -> bytes:

@@ -22,8 +22,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from msprobe_engine.dump.entry import FORMATS, TensorSlot, render_entries
-from msprobe_engine.dump.writer import json_special
 from msprobe_engine.incident.graph import INPUT_GRAD_KIND, INPUT_KIND, CallGraph, call_index, module_path
+from msprobe_engine.json_text import json_special
 from msprobe_engine.stats import P_NUMEL
 from msprobe_engine.stats.table import MetricKey, StatTable
 
