@@ -96,9 +96,10 @@ def test_statistics_in_the_graph_change_every_step_and_equal_eager(tmp_path, mon
         if not cpu_reduce.available():
             pytest.skip(f"the C kernel is off: {cpu_reduce.disabled_reason}")
         monkeypatch.setattr(opaque_row, "MIN_NUMEL", 1)
-    single = []  # the kernel's calls for one tensor (the op's) in the compiled run
-    kernel_rows = cpu_reduce.rows
+    single = []  # the kernel's calls for one tensor (the op's, and the eager path's) in the compiled run
+    kernel_rows, kernel_row = cpu_reduce.rows, cpu_reduce.row
     monkeypatch.setattr(cpu_reduce, "rows", lambda ts, zeros=False: single.append(len(ts) == 1) or kernel_rows(ts, zeros))
+    monkeypatch.setattr(cpu_reduce, "row", lambda t, zeros=False: single.append(True) or kernel_row(t, zeros))
     compiled_losses, monitor, (breaks, graphs) = train({**EVERYTHING, "output_dir": str(tmp_path / "c")}, 3)
     grad_rows = sum(t.startswith("actv_grad/") and t.endswith("/norm") for t in monitor.history[0].metrics)
     # at every step, for most gradient rows (a residual's equal gradients share one call)

@@ -230,7 +230,7 @@ def rows(tensors: Sequence[torch.Tensor], count_zeros: bool = False) -> torch.Te
     """``[len(tensors), 8]`` float64 rows of strided CPU tensors of `DTYPES` (mixed dtypes
     allowed), by one call of the C kernel."""
     if len(tensors) == 1:
-        return _row(tensors[0], count_zeros)
+        return _fill_one(tensors[0], count_zeros, torch.empty(1, 8, dtype=torch.float64))
     if not all(t.is_contiguous() for t in tensors):
         with torch.no_grad():
             tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]  # alive during the call
@@ -271,13 +271,19 @@ def difference_rows(after: Sequence[torch.Tensor], before: Sequence[torch.Tensor
     return out
 
 
-def _row(tensor: torch.Tensor, count_zeros: bool) -> torch.Tensor:
-    """`rows` of one tensor: its address, length and dtype passed straight (no lookup table)."""
+def row(tensor: torch.Tensor, count_zeros: bool = False) -> torch.Tensor:
+    """The 8 float64 values of one strided CPU tensor's row (of `DTYPES`), by the kernel's
+    one-tensor call: `rows` of one tensor without the ``[1, 8]`` shape (for `opaque_row`'s op)."""
+    return _fill_one(tensor, count_zeros, torch.empty(8, dtype=torch.float64))
+
+
+def _fill_one(tensor: torch.Tensor, count_zeros: bool, out: torch.Tensor) -> torch.Tensor:
+    """`out` (8 contiguous float64 values) filled with `tensor`'s row: its address, length and dtype
+    passed straight (no lookup table)."""
     if not tensor.is_contiguous():
         with torch.no_grad():
             tensor = tensor.contiguous()
     check_storage(tensor)
-    out = torch.empty(1, 8, dtype=torch.float64)
     _entry_one()(tensor.data_ptr(), tensor.numel(), DTYPES[tensor.dtype], 1 if count_zeros else 0, out.data_ptr())
     return out
 
@@ -303,7 +309,7 @@ def measure(tensors: Sequence[torch.Tensor], count_zeros: bool) -> Optional[tupl
         return None
     parallel = torch.get_num_threads() > 1
     if len(tensors) == 1:  # a hook's one tensor
-        return ([0], _row(tensors[0], count_zeros)) if eligible(tensors[0], parallel) else None
+        return ([0], rows(tensors[:1], count_zeros)) if eligible(tensors[0], parallel) else None
     positions = [pos for pos, tensor in enumerate(tensors) if eligible(tensor, parallel)]
     if not positions:
         return None

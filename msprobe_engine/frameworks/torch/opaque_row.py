@@ -32,7 +32,7 @@ _LIBRARY.define("cpu_row(Tensor tensor, bool count_zeros) -> Tensor")
 
 def _cpu_row(tensor: torch.Tensor, count_zeros: bool) -> torch.Tensor:
     """The float64 row (`columns` order) of a CPU tensor, by the C kernel."""
-    return cpu_reduce.rows([tensor], count_zeros)[0]
+    return cpu_reduce.row(tensor, count_zeros)
 
 
 _LIBRARY.impl("cpu_row", _cpu_row, "CPU")
