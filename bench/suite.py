@@ -1,12 +1,11 @@
 """Monitor and dump overhead on models we did not write, side by side with the predecessor.
 
 For each model (bench/models.py), every mode (bench/modes.py) trains its own copy of the
-model in ONE process, one step of each mode in turn, the order rotated every round (machine
-noise hits every mode alike), at one thread. Ratio = median step time of a mode over the
-median of `none` in the same process. The predecessor's monitor and dump change torch
-globally (BackwardHook, a singleton debugger), so each of its modes runs in a process of
-its own next to a `none` copy; everything of ours and the floors share the model's main
-process. Dumps are measured on the predecessor-style model (`small_lm`).
+model in a process of its own (`serve`), at one thread: no mode's background thread (the
+monitor's writer, a dump's) runs in another's process. The processes take turns, a few steps
+back to back a turn (`BURST`, the first of each turn untimed), the order rotated every round
+(machine noise hits every mode alike; `run_interleaved`). Ratio = median step time of a mode
+over the median of `none`. Dumps are measured on the predecessor-style model (`small_lm`).
 
 Printed: one table per model, then, as the LAST line, one JSON object:
 ``{model: {mode: ratio, ..., "ratio_to_floor": {config: ours / floor},
@@ -15,10 +14,9 @@ Printed: one table per model, then, as the LAST line, one JSON object:
     OMP_NUM_THREADS=1 python bench/suite.py [--quick] [--models small_lm gpt2-1m ...]
         [--steps N] [--warmup N] [--compiled [--configs ...] [--no-predecessor]]
 
-`--compiled` [--configs ...]: every model compiled in place (`model.compile()`, inductor), one
-process per mode (a second instance in a process would reuse the first one's graphs), a `none`
-process beside each config's, the two stepped in turn, a few steps back to back a turn (rounds
-interleaved, the order rotated; `run_interleaved`);
+`--compiled` [--configs ...]: every model compiled in place (`model.compile()`, inductor; a process
+a mode matters doubly there: a second instance in a process would reuse the first one's graphs), a
+`none` process beside each config's, the two taking turns as above;
 ratio = ours over that `none` (wall clock; `cpu_ratio`: the processes' CPU time); the graph
 breaks and graphs of each first step are reported too (docs/compile.md). The predecessor's
 monitor (`pred_<config>`) runs compiled the same way, in a process of its own beside a `none` of
@@ -57,57 +55,16 @@ REPLY = "@@"
 BURST = 4
 
 
-def groups(model: str) -> list[list[str]]:
-    """The processes of one model, each a list of modes run side by side."""
-    runs = [["none", *FLOORS, *OURS, f"pred_{CONFIGS[0]}"]]
-    runs += [["none", f"pred_{c}"] for c in CONFIGS[1:]]
+def eager_modes(model: str) -> list[str]:
+    """The modes of one model, each trained in a process of its own."""
+    modes = ["none", *FLOORS, *OURS, *(f"pred_{c}" for c in CONFIGS)]
     if model == "small_lm":
-        runs.append(["none", *(f"ours_dump_{level}" for level in LEVELS)])
-        runs += [["none", f"pred_dump_{level}"] for level in LEVELS]
-    return runs
+        modes += [f"{tool}_dump_{level}" for tool in ("ours", "pred") for level in LEVELS]
+    return modes
 
 
-def worker(model_name: str, modes: list[str], steps: int, warmup: int) -> dict[str, float]:
-    """Median step time (s) of each mode, all trained side by side in this process."""
-    import logging
-
-    import torch
-
-    import modes as mode_lib
-    from models import build
-
-    warnings.filterwarnings("ignore")
-    logging.disable(logging.WARNING)
-    torch.set_num_threads(1)
-    out = Path(tempfile.mkdtemp(prefix="msprobe-suite-"))
-    runs = {}
-    for name in modes:
-        model, forward = build(model_name)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-        def step(forward=forward, optimizer=optimizer):
-            loss = forward()
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            return loss
-        runs[name] = (mode_lib.make(name, model, optimizer, out), step, [])
-    for i in range(warmup + steps):
-        shift = i % len(modes)
-        for name in modes[shift:] + modes[:shift]:
-            mode, step, times = runs[name]
-            start = time.perf_counter()
-            mode.run(step)
-            if i >= warmup:
-                times.append(time.perf_counter() - start)
-    for mode, _, _ in runs.values():
-        mode.close()
-    medians = {name: statistics.median(times) for name, (_, _, times) in runs.items()}
-    return medians
-
-
-def serve(model_name: str, mode_name: str) -> None:
-    """One mode of one compiled model, stepped on request (`--serve`): prints its first step's graph
+def serve(model_name: str, mode_name: str, compiled: bool) -> None:
+    """One mode of one model (`compiled`: compiled in place), stepped on request (`--serve`): prints its first step's graph
     breaks and graphs as JSON, then for each "steps K" line read from stdin runs K steps back to back
     and replies with the seconds of each (wall clock, then the process's CPU time); each reply on a
     line of its own after `REPLY` (the predecessor logs to stdout too)."""
@@ -122,7 +79,8 @@ def serve(model_name: str, mode_name: str) -> None:
     logging.disable(logging.WARNING)
     torch.set_num_threads(1)
     model, forward = build(model_name)
-    model.compile()
+    if compiled:
+        model.compile()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step():
@@ -155,7 +113,7 @@ def _reply(proc: subprocess.Popen) -> str | None:
     return None
 
 
-def run_interleaved(model: str, modes: list[str], steps: int, warmup: int) -> dict[str, float]:
+def run_interleaved(model: str, modes: list[str], steps: int, warmup: int, compiled: bool = True) -> dict[str, float]:
     """Each mode in a process of its own (`serve`), stepped in turn, `BURST` steps back to back a
     turn, the order rotated every round: the median seconds of each (wall clock; `<mode>:cpu` its
     process's CPU time) over the steps after the first of each burst, and its first step's graph
@@ -167,8 +125,9 @@ def run_interleaved(model: str, modes: list[str], steps: int, warmup: int) -> di
     leave that work to the idle time while the other process steps (llama-1m full: 1.6 instead of
     2.0). The first step of a burst follows such a pause, so it is not timed."""
     errors = {m: tempfile.TemporaryFile("w+") for m in modes}
-    procs = {m: subprocess.Popen([sys.executable, __file__, "--serve", model, "--modes", m], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, stderr=errors[m], text=True) for m in modes}
+    command = [sys.executable, __file__, "--serve", model, *(["--compiled"] if compiled else [])]
+    procs = {m: subprocess.Popen([*command, "--modes", m], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=errors[m], text=True) for m in modes}
     result: dict[str, float] = {}
     try:
         for m, proc in procs.items():
@@ -197,27 +156,16 @@ def run_interleaved(model: str, modes: list[str], steps: int, warmup: int) -> di
     return {**result, **{m: statistics.median(t) for m, t in times.items()}}
 
 
-def run_group(model: str, modes: list[str], steps: int, warmup: int) -> dict[str, float]:
-    cmd = [sys.executable, __file__, "--worker", model, "--modes", ",".join(modes),
-           "--steps", str(steps), "--warmup", str(warmup)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{model} {modes}: exit {done.returncode}\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def summarise(model: str, medians: list[dict[str, float]]) -> dict:
-    """Ratios over each process's own `none`, and the derived figures."""
-    ratios = {}
-    for group in medians:
-        ratios.update({m: round(t / group["none"], 3) for m, t in group.items() if m != "none"})
+def summarise(model: str, medians: dict[str, float]) -> dict:
+    """Ratios over `none` (`run_interleaved`'s medians), and the derived figures."""
+    ratios = {m: round(t / medians["none"], 3) for m, t in medians.items() if m != "none" and ":" not in m}
     result = dict(ratios)
     result["ratio_to_floor"] = {c: round(ratios[f"ours_{c}"] / ratios[f"floor_{c}"], 3) for c in CONFIGS}
     pairs = [(c, f"ours_{c}", f"pred_{c}") for c in CONFIGS]
     pairs += [(f"dump_{lv}", f"ours_dump_{lv}", f"pred_dump_{lv}") for lv in LEVELS if f"ours_dump_{lv}" in ratios]
     result["share_of_predecessor"] = {name: round((ratios[o] - 1) / (ratios[p] - 1), 3)
                                       for name, o, p in pairs if ratios[p] > 1}
-    base = medians[0]["none"]
+    base = medians["none"]
     print(f"== {model}: no tool {base * 1e3:.1f} ms/step")
     for c in CONFIGS:
         print(f"  {c:16s} floor {ratios[f'floor_{c}']:6.3f}  ours {ratios[f'ours_{c}']:6.3f}  "
@@ -272,35 +220,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small models only, few steps (a correctness run)")
     parser.add_argument("--models", nargs="+", help=f"default: {' '.join(SMALL + MEDIUM)}")
-    parser.add_argument("--steps", type=int, help="timed rounds (default 20 small, 8 medium; quick 4)")
-    parser.add_argument("--warmup", type=int, help="untimed rounds first (default 3; quick 1)")
+    parser.add_argument("--steps", type=int, help=f"timed rounds, {BURST - 1} timed steps a mode each "
+                        "(default 10 small, 5 medium; quick 2)")
+    parser.add_argument("--warmup", type=int, help="untimed rounds first (default 2; quick 1)")
     parser.add_argument("--compiled", action="store_true", help="the models compiled (inductor), ours against none")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--modes", help=argparse.SUPPRESS)
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, help="--compiled: these configs only")
     parser.add_argument("--no-predecessor", action="store_true", help="--compiled: ours only")
     args = parser.parse_args()
     if args.serve:
-        serve(args.serve, args.modes)
-        return
-    if args.worker:
-        print(json.dumps(worker(args.worker, args.modes.split(","), args.steps, args.warmup)))
+        serve(args.serve, args.modes, args.compiled)
         return
     models = args.models or (SMALL if args.quick else SMALL + MEDIUM)
     configs = args.configs or CONFIGS
     report = {}
     for model in models:
-        steps = args.steps or (4 if args.quick else 8 if model in MEDIUM else 20)
-        warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+        steps = args.steps or (2 if args.quick else 5 if model in MEDIUM else 10)
+        warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
         if args.compiled:
             # one process per mode: a second model instance in a process reuses the graphs compiled for the
             # first (Dynamo does not guard on module hooks), so ours would run in none's graph, unhooked
             report[model] = {c: run_compiled(model, c, steps, warmup, not args.no_predecessor) for c in configs}
             print_compiled(model, report[model])
             continue
-        medians = [run_group(model, modes, steps, warmup) for modes in groups(model)]
-        report[model] = summarise(model, medians)
+        report[model] = summarise(model, run_interleaved(model, eager_modes(model), steps, warmup, compiled=False))
     report["load"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(report))
 
