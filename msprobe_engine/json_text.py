@@ -34,7 +34,10 @@ def number_texts(values: Sequence[float | int]) -> list[bytes]:
     nan or an infinity as `repr` writes it (``nan``, ``inf``, ``-inf``)."""
     if not values:
         return []
-    blob = orjson.dumps(values if isinstance(values, list) else list(values))
+    try:
+        blob = orjson.dumps(values if isinstance(values, list) else list(values))
+    except orjson.JSONEncodeError:  # an int beyond 64 bits
+        return [repr(value).encode() for value in values]
     texts = blob[1:-1].split(b",")
     if b"n" in blob:  # a null: orjson's text of a number has no n
         texts = [repr(value).encode() if text == b"null" else text for text, value in zip(texts, values)]
@@ -42,7 +45,8 @@ def number_texts(values: Sequence[float | int]) -> list[bytes]:
 
 
 def metrics_json(metrics: dict[str, float | int]) -> bytes:
-    """`metrics` (plain floats and ints) as a JSON object, nan and infinities as `json_special`."""
+    """`metrics` (plain floats and ints) as a JSON object, nan and infinities as `json_special`
+    (raises `orjson.JSONEncodeError` for an int beyond 64 bits)."""
     values = metrics.values()
     if not finite(values):
         metrics = {tag: value if value - value == 0 else json_special(value) for tag, value in metrics.items()}

@@ -39,9 +39,14 @@ def record_line(record: StepRecord) -> bytes:
     encoded by orjson (`json_text.metrics_json`: the same values, JSON's spelling of each number,
     no spaces); other values through `as_json` itself."""
     metrics = record.metrics
-    if not set(map(type, metrics.values())) <= {float, int}:
-        return record.as_json().encode("utf-8")
-    head = orjson.dumps({"step": record.step, "rank": record.rank, "micro_steps": record.micro_steps,
-                         "time": record.wall_time})
-    alerts = json.dumps([a.as_dict() for a in record.alerts]).encode()  # Python's json: a nan value as NaN
-    return b'%s,"metrics":%s,"alerts":%s}' % (head[:-1], metrics_json(metrics), alerts)
+    if set(map(type, metrics.values())) <= {float, int}:
+        try:
+            body = metrics_json(metrics)
+        except orjson.JSONEncodeError:  # an int beyond 64 bits
+            pass
+        else:
+            head = orjson.dumps({"step": record.step, "rank": record.rank, "micro_steps": record.micro_steps,
+                                 "time": record.wall_time})
+            alerts = json.dumps([a.as_dict() for a in record.alerts]).encode()  # Python's json: a nan value as NaN
+            return b'%s,"metrics":%s,"alerts":%s}' % (head[:-1], body, alerts)
+    return record.as_json().encode("utf-8")
