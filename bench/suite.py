@@ -64,10 +64,10 @@ def eager_modes(model: str) -> list[str]:
 
 
 def serve(model_name: str, mode_name: str, compiled: bool) -> None:
-    """One mode of one model (`compiled`: compiled in place), stepped on request (`--serve`): prints its first step's graph
-    breaks and graphs as JSON, then for each "steps K" line read from stdin runs K steps back to back
-    and replies with the seconds of each (wall clock, then the process's CPU time); each reply on a
-    line of its own after `REPLY` (the predecessor logs to stdout too)."""
+    """One mode of one model (`compiled`: compiled in place), stepped on request (`--serve`): prints
+    its first step's graph breaks and graphs as JSON, then for each "steps K" line read from stdin
+    runs K steps back to back and replies with the seconds of each (wall clock, then the process's
+    CPU time); each reply on a line of its own after `REPLY` (the predecessor logs to stdout too)."""
     import logging
 
     import torch
@@ -122,8 +122,8 @@ def run_interleaved(model: str, modes: list[str], steps: int, warmup: int, compi
 
     Bursts, because a process's background work (the monitor's writer thread: its sinks) runs while
     its training thread steps on, taking the GIL from it, as in a real run; one step a turn would
-    leave that work to the idle time while the other process steps (llama-1m full: 1.6 instead of
-    2.0). The first step of a burst follows such a pause, so it is not timed."""
+    leave that work to the idle time while the other process steps (llama-1m full compiled: 1.6
+    instead of 1.9). The first step of a burst follows such a pause, so it is not timed."""
     errors = {m: tempfile.TemporaryFile("w+") for m in modes}
     command = [sys.executable, __file__, "--serve", model, *(["--compiled"] if compiled else [])]
     procs = {m: subprocess.Popen([*command, "--modes", m], stdin=subprocess.PIPE, stdout=subprocess.PIPE,

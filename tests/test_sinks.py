@@ -130,7 +130,9 @@ def test_csv_rows_are_what_csv_writer_writes_quotes_and_floats_included(tmp_path
     text = (tmp_path / CSV_NAME).read_bytes().decode()
     got, want = list(csv.reader(io.StringIO(text))), list(csv.reader(io.StringIO(expected.getvalue())))
     assert [row[:2] for row in got] == [row[:2] for row in want]  # the steps, the tags' fields
-    assert [repr(float(a)) for (*_, a) in got[1:] if a != "True"] == [repr(float(b)) for (*_, b) in want[1:] if b != "True"]
+    def numbers(rows: list[list[str]]) -> list[str]:
+        return [repr(float(value)) for *_, value in rows[1:] if value != "True"]
+    assert numbers(got) == numbers(want)
     assert text.count("\r\n") == len(want)  # csv.writer's line ends
     assert "7,train/small,0.00001\r\n" in text  # orjson's spelling (repr: 1e-05)
     assert '7,"grad/q""x/max",nan\r\n' in text and "7,train/low,-inf\r\n" in text  # as repr writes them
