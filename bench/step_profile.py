@@ -36,10 +36,10 @@ PARTS = (
      "pre-step"),
     ("msprobe_engine.frameworks.torch.optimizer_hooks.OptimizerHooks", "_read_after_step",
      "optimizer post-step reads", "post-step"),
-    ("msprobe_engine.monitor.Monitor", "_transfer", "step end: pack + transfer", None),
-    ("msprobe_engine.monitor.Monitor", "_evaluate", "step end: rules", None),
-    ("msprobe_engine.monitor.Monitor", "_emit", "step end: record, sinks queued", None),
-    ("msprobe_engine.monitor.Monitor", "_start_incidents", "step end: incidents", None),
+    ("msprobe_engine.steps.pipeline.StepPipeline", "transfer", "step end: pack + transfer", None),
+    ("msprobe_engine.steps.pipeline.StepPipeline", "evaluate", "step end: rules", None),
+    ("msprobe_engine.steps.pipeline.StepPipeline", "_emit", "step end: record, sinks queued", None),
+    ("msprobe_engine.steps.pipeline.StepPipeline", "_start_incidents", "step end: incidents", None),
     ("msprobe_engine.monitor.Monitor", "step_end", "step end: all", None),
 )
 
@@ -47,7 +47,7 @@ PARTS = (
 def _install(spent: dict[str, float], tensors: dict[str, int]) -> None:
     import importlib
 
-    from msprobe_engine.monitor import Monitor
+    from msprobe_engine.steps.measure import Measurer
 
     phase = ["backward (gradient hooks)"]
 
@@ -67,7 +67,7 @@ def _install(spent: dict[str, float], tensors: dict[str, int]) -> None:
     for path, name, label, sets in PARTS:
         module, _, cls = path.rpartition(".")
         wrap(getattr(importlib.import_module(module), cls), name, label, sets)
-    add = Monitor.add_tensors
+    add = Measurer.add  # the monitor binds it as its `add_tensors` when built: patched before
 
     def add_tensors(self, keys, values, *args, **kwargs):
         start = time.thread_time()
@@ -76,7 +76,7 @@ def _install(spent: dict[str, float], tensors: dict[str, int]) -> None:
         finally:
             spent[f"add_tensors: {phase[0]}"] += time.thread_time() - start
             tensors[phase[0]] += len(values)
-    Monitor.add_tensors = add_tensors
+    Measurer.add = add_tensors
 
 
 def main() -> None:
