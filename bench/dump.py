@@ -3,12 +3,12 @@ throughput against plain torch.save.
 
 Step time, measured as a user runs it: the predecessor-style LM (bench/models.py `small_lm`,
 nn.MultiheadAttention blocks), AdamW, one thread, the whole step between start and stop with
-every step dumped (statistics, its own dump config with ``step: []``). Each configuration (no
-tool; ours L0, L1, mix; the predecessor's L0, L1, mix) trains in a process of its own
-(`bench/suite.py`'s worker), so no background writer's work lands in another configuration's
-steps; the processes of one round run one after the other, their order rotated every round.
-Ratio = median step time over the no-tool process's median in the same round; the figure is
-the median over rounds. Goals: ours L0 / L1 / mix <= 1.3 / 2.0 / 2.5 and (ours - 1) <= 1/3 of
+every step dumped (statistics, its own dump config with ``step: []``). In a round each
+configuration (no tool; ours L0, L1, mix; the predecessor's L0, L1, mix) trains in a process of
+its own (`bench/suite.py`'s `run_interleaved`), the processes taking turns of `suite.BURST`
+steps back to back, the first of each turn untimed, so a background writer's work lands in its
+own configuration's steps and no other's. Ratio = median step time over the no-tool process's
+median in the same round; the figure is the median over rounds. Goals: ours L0 / L1 / mix <= 1.3 / 2.0 / 2.5 and (ours - 1) <= 1/3 of
 (predecessor - 1).
 
 Tensor throughput: the demo model (examples/tiny_gpt.py) trains `--tensor-steps` steps with
@@ -44,7 +44,7 @@ import torch  # noqa: E402
 
 from examples.tiny_gpt import TinyGPT, synthetic_batches  # noqa: E402
 from msprobe_engine.dump import PrecisionDebugger, iter_dump_tensors, load_dump  # noqa: E402
-from suite import run_group  # noqa: E402
+from suite import BURST, run_interleaved  # noqa: E402
 
 LEVELS = ("L0", "L1", "mix")
 CONFIGS = ("none", *(f"ours_dump_{lv}" for lv in LEVELS), *(f"pred_dump_{lv}" for lv in LEVELS))
@@ -58,11 +58,12 @@ def train_step(model: TinyGPT, opt: torch.optim.Optimizer, batch) -> None:
 
 
 def step_times(rounds: int, steps: int, warmup: int, configs: tuple[str, ...] = CONFIGS) -> dict[str, float]:
-    """Median over rounds of each configuration's step-time ratio to the no-tool process."""
+    """Median over rounds of each configuration's step-time ratio to the no-tool process: in a
+    round, at least `steps` timed and `warmup` untimed steps of each."""
     ratios: dict[str, list[float]] = {c: [] for c in configs[1:]}
+    turns, warmup_turns = -(-steps // (BURST - 1)), -(-warmup // BURST)
     for r in range(rounds):
-        order = configs[r % len(configs):] + configs[:r % len(configs)]
-        medians = {c: run_group("small_lm", [c], steps, warmup)[c] for c in order}
+        medians = run_interleaved("small_lm", list(configs), turns, warmup_turns, compiled=False)
         for c in configs[1:]:
             ratios[c].append(medians[c] / medians["none"])
         print(f"round {r}: no tool {medians['none'] * 1e3:.1f} ms/step; "
