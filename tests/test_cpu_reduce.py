@@ -2,7 +2,8 @@
 
 Its rows are compared with the torch path's rows of the same tensors (the kernel switched off)
 and with the float64 numpy reference, on the fused kernel's cases (tests/fused_reduce_cases.py:
-every dtype, 1 to 300k elements, nan/inf, empty, zero-dim, signed zeros, views) plus float64;
+every dtype, 1 to 300k elements, nan/inf, empty, zero-dim, signed zeros, views) plus float64,
+int64 and int32;
 its build, cache, switch and fallback run in subprocesses with their own cache folder.
 """
 from __future__ import annotations
@@ -38,6 +39,10 @@ def all_cases():
     gen = torch.Generator().manual_seed(9)
     extra = [(f"randn {n} float64", torch.randn(n, generator=gen, dtype=torch.float64) * 2 - 1)
              for n in (1, 31, 32, 511, 512, 513, 70_001)]
+    extra += [(f"randint {n} {dtype}", torch.randint(-3000, 3000, (n,), generator=gen, dtype=dtype))
+              for dtype in (torch.int64, torch.int32) for n in (0, 1, 33, 513, 70_001)]
+    extra += [("token ids", torch.randint(0, 50_000, (8, 128), generator=gen)),
+              ("int64 past float32's integers", torch.tensor([2 ** 40 + 1, -(2 ** 41) - 3, 0, 7]))]
     big = torch.randn(300_001, generator=gen)
     big[::9] = 0.0
     return cases() + extra + [("randn 300001 float32 with zeros", big), ("subnormals", torch.full((6000,), 1e-40)),
@@ -91,9 +96,11 @@ class Tagged(torch.Tensor):
     """A tensor subclass, as DTensor is one."""
 
 
-def test_the_backend_hands_float_cpu_tensors_to_the_kernel_and_keeps_the_rest_in_order(torch_path, monkeypatch):
+def test_the_backend_hands_float_and_integer_cpu_tensors_to_the_kernel_and_keeps_the_rest_in_order(
+        torch_path, monkeypatch):
     gen = torch.Generator().manual_seed(3)
-    tensors = [torch.randn(100, generator=gen), torch.arange(10), torch.randn(5000, generator=gen).half(),
+    tensors = [torch.randn(100, generator=gen), torch.arange(10), torch.arange(3, dtype=torch.int16),
+               torch.randn(5000, generator=gen).half(),
                torch.tensor([True, False]), torch.randn(3, 4, generator=gen, dtype=torch.complex64),
                torch.randn(80_000, generator=gen).bfloat16(), torch.randn(7, generator=gen)._neg_view(),
                torch.randn(9, generator=gen).as_subclass(Tagged), torch.nn.Parameter(torch.randn(6, generator=gen))]
@@ -101,8 +108,8 @@ def test_the_backend_hands_float_cpu_tensors_to_the_kernel_and_keeps_the_rest_in
     real_rows = cpu_reduce.rows
     monkeypatch.setattr(cpu_reduce, "rows", lambda ts, zeros: seen.append([t.dtype for t in ts]) or real_rows(ts, zeros))
     got = backend.partial_stats(tensors, count_zeros=True).numpy()
-    # ints, bools, complex, a negated view, a subclass (a DTensor's data_ptr is not its values): the torch path
-    assert seen == [[torch.float32, torch.float16, torch.bfloat16, torch.float32]]
+    # int16, bools, complex, a negated view, a subclass (a DTensor's data_ptr is not its values): the torch path
+    assert seen == [[torch.float32, torch.int64, torch.float16, torch.bfloat16, torch.float32]]
     np.testing.assert_allclose(got, torch_path(tensors, True), rtol=1e-6, equal_nan=True)
     with pytest.warns(UserWarning, match="nested"):
         nested = torch.nested.nested_tensor([torch.randn(3, generator=gen), torch.randn(5, generator=gen)])
@@ -179,6 +186,36 @@ def test_a_compile_error_is_reported_with_the_compilers_message(tmp_path, monkey
     with pytest.raises(RuntimeError, match=r"failed on broken\.c: .*error"):
         cpu_reduce._build()
     assert not list((tmp_path / "cache").glob("*.so"))
+
+
+STALE = """
+import json, sys
+from pathlib import Path
+import torch
+from msprobe_engine.frameworks.torch import backend, cpu_reduce
+cpu_reduce._library = lambda: Path(sys.argv[1])
+ids = torch.arange(5)
+print(json.dumps({"available": cpu_reduce.available(), "reason": cpu_reduce.disabled_reason,
+                  "max": backend.partial_stats([ids]).tolist()[0][1]}))
+"""
+
+
+def test_a_library_built_from_an_older_source_is_refused_not_misread(tmp_path):
+    """A checkout's package library not rebuilt since int64/int32 were added would read their codes
+    as bfloat16; one without `msprobe_cpu_dtypes` (as the older source built) is refused, and the
+    torch path measures."""
+    source = cpu_reduce.SOURCE.read_text()
+    older = tmp_path / "older.c"
+    older.write_text("\n".join(line for line in source.splitlines() if "msprobe_cpu_dtypes" not in line))
+    library = tmp_path / "older.so"
+    subprocess.run(["cc", *cpu_reduce.FLAGS, str(older), "-o", str(library)], check=True, timeout=300)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MSPROBE_CPU_KERNEL": "1"}
+    proc = subprocess.run([sys.executable, "-c", STALE, str(library)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not result["available"] and "older source" in result["reason"] and "reads 4 dtypes" in result["reason"]
+    assert result["max"] == 4.0
 
 
 def test_a_cache_folder_others_may_write_into_is_refused(tmp_path, monkeypatch):

@@ -7,7 +7,8 @@
  * asked, zero counts), which the compiler turns into vector instructions. float32/16/bf16
  * values are summed in float32 for STEPS values per lane, then added into float64 lanes; their
  * squares are taken and summed in float64 (exact squares: no overflow or underflow); float64
- * values in float64 throughout. nan and inf are not counted in the hot loop: any nan or inf
+ * values, and int64/int32 values read as float64 (as the torch path converts them), in float64
+ * throughout. nan and inf are not counted in the hot loop: any nan or inf
  * makes the sum or the sum of squares non-finite, and only then a second loop counts them
  * (a finite sum proves there is none).
  *
@@ -28,7 +29,7 @@
 #define CLONES
 #endif
 
-enum { DT_F32 = 0, DT_F64 = 1, DT_F16 = 2, DT_BF16 = 3 };
+enum { DT_F32 = 0, DT_F64 = 1, DT_F16 = 2, DT_BF16 = 3, DT_I64 = 4, DT_I32 = 5 };
 
 #define LANES 32
 #define STEPS 16
@@ -75,6 +76,8 @@ static inline float load_f16_one(const f16_t *p, const f16_t *q, int64_t i) { (v
 static inline float load_bf16_one(const uint16_t *p, const uint16_t *q, int64_t i) { (void)q; return load_bf16(p, i); }
 static inline double load_f64(const double *p, const double *q, int64_t i) { (void)q; return p[i]; }
 static inline double load_f64_diff(const double *p, const double *q, int64_t i) { return p[i] - q[i]; }
+static inline double load_i64(const int64_t *p, const int64_t *q, int64_t i) { (void)q; return (double)p[i]; }
+static inline double load_i32(const int32_t *p, const int32_t *q, int64_t i) { (void)q; return (double)p[i]; }
 
 /* The hot loop for a dtype read as float: min/max/sum/sumsq and optionally the zero count. */
 #define DEFINE_FLOAT_REDUCE(NAME, T, LOAD, ZEROS)                                              \
@@ -132,9 +135,9 @@ DEFINE_FLOAT_REDUCE(reduce_f16_zeros, f16_t, load_f16_one, 1)
 DEFINE_FLOAT_REDUCE(reduce_bf16, uint16_t, load_bf16_one, 0)
 DEFINE_FLOAT_REDUCE(reduce_bf16_zeros, uint16_t, load_bf16_one, 1)
 
-/* float64: the same loop in float64 throughout. */
-#define DEFINE_DOUBLE_REDUCE(NAME, LOAD, ZEROS)                                               \
-    CLONES static void NAME(const double *x, const double *y, int64_t n, part_t *out) {       \
+/* float64 (and integers read as float64): the same loop in float64 throughout. */
+#define DEFINE_DOUBLE_REDUCE(NAME, T, LOAD, ZEROS)                                            \
+    CLONES static void NAME(const T *x, const T *y, int64_t n, part_t *out) {                 \
         double lo[LANES], hi[LANES], s[LANES], q[LANES];                                      \
         int64_t z[LANES];                                                                     \
         for (int j = 0; j < LANES; j++) {                                                     \
@@ -167,13 +170,17 @@ DEFINE_FLOAT_REDUCE(reduce_bf16_zeros, uint16_t, load_bf16_one, 1)
         out->lo = L; out->hi = H; out->sum = S; out->sumsq = Q; out->zeros = zeros;           \
     }
 
-DEFINE_DOUBLE_REDUCE(reduce_f64, load_f64, 0)
-DEFINE_DOUBLE_REDUCE(reduce_f64_zeros, load_f64, 1)
-DEFINE_DOUBLE_REDUCE(reduce_f64_diff, load_f64_diff, 0)
-DEFINE_DOUBLE_REDUCE(reduce_f64_diff_zeros, load_f64_diff, 1)
+DEFINE_DOUBLE_REDUCE(reduce_f64, double, load_f64, 0)
+DEFINE_DOUBLE_REDUCE(reduce_f64_zeros, double, load_f64, 1)
+DEFINE_DOUBLE_REDUCE(reduce_f64_diff, double, load_f64_diff, 0)
+DEFINE_DOUBLE_REDUCE(reduce_f64_diff_zeros, double, load_f64_diff, 1)
+DEFINE_DOUBLE_REDUCE(reduce_i64, int64_t, load_i64, 0)
+DEFINE_DOUBLE_REDUCE(reduce_i64_zeros, int64_t, load_i64, 1)
+DEFINE_DOUBLE_REDUCE(reduce_i32, int32_t, load_i32, 0)
+DEFINE_DOUBLE_REDUCE(reduce_i32_zeros, int32_t, load_i32, 1)
 
-/* The rare second loop: nan and inf counts of a tensor (or a difference, `minus` not NULL) whose
- * sum or sum of squares is not finite. */
+/* The rare second loop: nan and inf counts of a floating-point tensor (or a difference, `minus`
+ * not NULL) whose sum or sum of squares is not finite (an integer tensor's never is). */
 static void count_non_finite(const void *data, const void *minus, int dtype, int64_t n, int64_t *nans, int64_t *infs) {
     int64_t a = 0, b = 0;
     for (int64_t i = 0; i < n; i++) {
@@ -219,6 +226,8 @@ void msprobe_cpu_rows(int64_t count, const int64_t *table, int32_t count_zeros, 
         switch (dtypes[t]) {
         case DT_F32: (count_zeros ? reduce_f32_zeros : reduce_f32)((const float *)data, NULL, n, &p); break;
         case DT_F64: (count_zeros ? reduce_f64_zeros : reduce_f64)((const double *)data, NULL, n, &p); break;
+        case DT_I64: (count_zeros ? reduce_i64_zeros : reduce_i64)((const int64_t *)data, NULL, n, &p); break;
+        case DT_I32: (count_zeros ? reduce_i32_zeros : reduce_i32)((const int32_t *)data, NULL, n, &p); break;
         case DT_F16: (count_zeros ? reduce_f16_zeros : reduce_f16)((const f16_t *)data, NULL, n, &p); break;
         default: (count_zeros ? reduce_bf16_zeros : reduce_bf16)((const uint16_t *)data, NULL, n, &p); break;
         }
@@ -242,6 +251,10 @@ void msprobe_cpu_diff_rows(int64_t count, const int64_t *table, int32_t count_ze
         write_row(&p, a, b, (int)dtypes[t], n, count_zeros, out + 8 * t);
     }
 }
+
+/* How many dtype codes this library reads (cpu_reduce.py refuses a library built from an older
+ * source, which would read a newer code as another dtype). */
+int64_t msprobe_cpu_dtypes(void) { return 6; }
 
 /* One tensor's row (the one-tensor call of a hook: no lookup table to build). */
 void msprobe_cpu_row(int64_t address, int64_t numel, int64_t dtype, int32_t count_zeros, double *out) {

@@ -1,6 +1,6 @@
 """A single-pass reduction (C, loaded with ctypes) of many CPU tensors into partial-statistics rows.
 
-What it computes: for each float32/float64/float16/bfloat16 tensor of a call, the row of
+What it computes: for each float32/float64/float16/bfloat16/int64/int32 tensor of a call, the row of
 `msprobe_engine.stats.columns` (min, max, sum, sumsq, nan_count, inf_count, zero_count, numel)
 with the torch backend's semantics (those of `fused_reduce`, its CUDA counterpart): a tensor
 holding a nan has nan min and max; +-inf are kept in min/max/sum; the zero count is nan unless
@@ -16,7 +16,8 @@ How (`cpu_reduce.c`): LANES running minima, maxima, sums and sums of squares (an
 when asked) that the compiler vectorises; float32/16/bf16 values summed in float32 for 16 values
 per lane, then in float64; squares taken and summed in float64 (exact squares: a sum of squares
 that overflows or underflows float32 is still right here, unlike the torch path's); float64
-tensors in float64 throughout; nan and inf counted by a second loop only when the sum or the sum
+tensors, and int64/int32 ones read as float64 (as the torch path converts them: token ids, positions), in
+float64 throughout; nan and inf counted by a second loop only when the sum or the sum
 of squares is not finite (a finite one proves there is none). On x86-64 the loops are compiled for
 AVX-512, AVX2 and the baseline and picked at load time by what the CPU has.
 Three entries: `msprobe_cpu_rows` reads a batch through a lookup table (addresses, lengths,
@@ -74,7 +75,7 @@ SOURCE = Path(__file__).with_name("cpu_reduce.c")
 #: Compiler flags (no -ffast-math: it would drop the nan and signed-zero semantics).
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11")
 #: The dtypes the kernel reads, with their codes in the C file.
-DTYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
+DTYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3, torch.int64: 4, torch.int32: 5}
 #: The dtypes whose differences the kernel reads (`difference_rows`).
 _DIFF_DTYPES = (torch.float32, torch.float64)
 #: With torch on more than one thread, tensors longer than this stay on torch's parallel reductions.
@@ -198,6 +199,19 @@ def _entry_one():
     return function
 
 
+def _check_dtypes() -> None:
+    """Refuse a library built from an older source (a checkout's package library not rebuilt since
+    `DTYPES` grew): it would read a newer dtype code as another dtype."""
+    library = _library_handle()
+    function = getattr(library, "msprobe_cpu_dtypes", None)  # absent from the libraries before int64 and int32
+    if function is not None:
+        function.restype = ctypes.c_int64
+    count = function() if function is not None else 4
+    if count != len(DTYPES):
+        raise RuntimeError(f"{library._name} reads {count} dtypes where {SOURCE.name} has {len(DTYPES)}: "
+                           f"it was built from an older source (install the package again, or set {ENV}=build)")
+
+
 _loaded = False  # both entries loaded (a plain flag: `available` is asked once per measured batch)
 
 
@@ -209,6 +223,7 @@ def available() -> bool:
     if _loaded:
         return True
     try:
+        _check_dtypes()
         _entry(), _entry_one(), _entry_diff()
     except Exception as exc:  # not packaged, no compiler, a compile error, a library that does not load
         _disable(f"the C kernel is unavailable ({type(exc).__name__}: {exc})")
