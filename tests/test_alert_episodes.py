@@ -292,3 +292,65 @@ def test_a_real_spike_during_another_spike_s_cooldown_is_alerted_and_named(tmp_p
                                                         ("start", 52, "actv/blocks.0.fc/output/norm")], spikes
     ends = {tag: step for phase, step, tag in spikes if phase == "end"}
     assert ends == {"actv/head/output/norm": 66, "actv/blocks.0.fc/output/norm": 73}, spikes
+
+
+def _reference_trend_hits(histories: dict, metrics: dict, window: int, factor: float, min_r2: float) -> dict:
+    """The slope method as its docstring states it, one tag at a time: the last `window` log
+    norms (finite, positive values only), their least-squares slope and R^2."""
+    import numpy as np
+
+    hits = {}
+    for tag, value in metrics.items():
+        if not (math.isfinite(value) and value > 0):
+            continue
+        history = histories.setdefault(tag, [])
+        history.append(math.log(value))
+        del history[:-window]
+        if len(history) < window:
+            continue
+        y = np.array(history)
+        x = np.arange(window) - (window - 1) / 2
+        slope = float((y - y.mean()) @ x / (x @ x))
+        spread = float(((y - y.mean()) ** 2).sum())
+        r2 = 1.0 if spread == 0 else slope * slope * float(x @ x) / spread
+        if slope * (window - 1) >= math.log(factor) and r2 >= min_r2:
+            hits[tag] = math.exp(history[0] + math.log(factor))
+    return hits
+
+
+def test_the_trend_slope_on_all_tags_at_once_is_the_per_tag_fit_with_gaps_new_tags_and_a_resume():
+    """Series that grow, stay flat or are noisy; values that are not observations (nan, inf, 0,
+    negative); tags that appear late, vanish for a while and come back; the rule's state saved
+    and loaded into a fresh rule half-way: every step's hits (tags and thresholds) are those of
+    the per-tag least-squares fit."""
+    import numpy as np
+
+    from msprobe_engine.rules.trend import TrendRule
+
+    config = TrendRule.Config(rule="trend", metrics=["grad/*/norm"], window=6, factor=3.0, min_r2=0.8)
+    rule, histories = TrendRule(config), {}
+    gen = np.random.default_rng(4)
+    fired = 0
+    for step in range(60):
+        metrics = {}
+        for i in range(12):
+            if i >= 8 and step < 10 * (i - 7) or (i == 3 and 20 <= step < 30):
+                continue  # appears late / vanishes for a while
+            value = [1.4 ** step, 1.0, float(gen.lognormal(0, 0.5)), 1.3 ** (step % 17)][i % 4] * (i + 1)
+            if (step + i) % 11 == 0:
+                value = [float("nan"), float("inf"), 0.0, -value][(step + i) % 4]
+            metrics[f"grad/layer{i}.weight/norm"] = value
+        metrics["train/loss"] = 1.0  # not watched
+        want = _reference_trend_hits(histories, metrics, config.window, config.factor, config.min_r2)
+        firing = rule.evaluate(None, None, metrics)
+        got = {tag: threshold for tag, _, threshold in firing[0].parts} if firing else {}
+        assert got.keys() == want.keys(), (step, sorted(got), sorted(want))
+        for tag, threshold in want.items():
+            assert math.isclose(got[tag], threshold, rel_tol=1e-9), (step, tag)
+        fired += len(got)
+        if step == 30:
+            state = json.loads(json.dumps(rule.state_dict()))
+            assert state["history"]["grad/layer0.weight/norm"] == histories["grad/layer0.weight/norm"]
+            rule = TrendRule(config)
+            rule.load_state_dict(state)
+    assert fired > 30
