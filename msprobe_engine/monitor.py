@@ -232,11 +232,12 @@ class Monitor(StepLifecycle):
         if not (self.clock.active and (self.decide_early or self.replay.call is not None)):
             return StepDecision()
         decision, made = StepDecision(), []
-        with self.guard("pre-step evaluation"):
-            decision, made = self.pipeline.decide(screen)
-        decision = self.pipeline.agree(decision)
-        if decision.stop:
-            self.pipeline.stop(decision, made)
+        with exit_guard.critical():
+            with self.guard("pre-step evaluation"):
+                decision, made = self.pipeline.decide(screen)
+            decision = self.pipeline.agree(decision)
+            if decision.stop:
+                self.pipeline.stop(decision, made)
         return decision
 
     def after_optimizer_step(self) -> None:
@@ -246,19 +247,20 @@ class Monitor(StepLifecycle):
     def step_end(self, loss: Any = None) -> StepRecord | None:
         if self.replay.replaying:
             return None
-        for closer in self.wiring.closers:
-            loss = closer.close_step(loss)
-        self.report_loss(loss)
-        record = None
-        if self.clock.active:
-            with self.guard("step end"):
-                record = self.pipeline.finish()
-        self.clock.go_to(self.clock.step + 1)
-        if self.control is not None:
-            with self.guard("control file"):
-                self._apply(self.control.poll(self.writer, self.clock.step))
-        for closer in self.wiring.closers:
-            closer.step_closed()
+        with exit_guard.critical():  # a signal raises after the step's record is queued, not inside
+            for closer in self.wiring.closers:
+                loss = closer.close_step(loss)
+            self.report_loss(loss)
+            record = None
+            if self.clock.active:
+                with self.guard("step end"):
+                    record = self.pipeline.finish()
+            self.clock.go_to(self.clock.step + 1)
+            if self.control is not None:
+                with self.guard("control file"):
+                    self._apply(self.control.poll(self.writer, self.clock.step))
+            for closer in self.wiring.closers:
+                closer.step_closed()
         return record
 
     def _apply(self, control: Control | None) -> None:
@@ -312,7 +314,7 @@ class Monitor(StepLifecycle):
         """Emit the records still held back (early-decision mode keeps a step's record until
         the next transfer); call it after `step_end`, e.g. when the run is about to stop."""
         if self.pipeline.holds_records():
-            with self.guard("drain"):
+            with exit_guard.critical(), self.guard("drain"):
                 self.pipeline.drain()
 
     def flush(self) -> None:

@@ -4,21 +4,25 @@
 
 `usage`: ``steps`` (`steps` steps, then the script ends), ``raise`` (an exception leaves the
 loop after the last step's optimizer step, before its `step_end`), ``forever`` (steps until a
-signal ends the process). After each `step_end` the child prints the number of steps it
+signal ends the process; a `signal_at` rule in the config sends one from inside a step end).
+After each `step_end` the child prints the number of steps it
 ended; a sink sleeps 50 ms per record, so the writer is behind when the loop ends. At exit one JSON line with the records emitted and the writer's losses, from an atexit
 handler registered before the monitor's own (so it runs after the monitor was closed at exit).
 """
 import atexit
 import json
 import logging
+import os
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
 from health_models import Teacher, build
 from sink_helpers import EVERY_TAG_TENSORBOARD
 from msprobe_engine.monitor import Monitor
+from msprobe_engine.rules.base import Rule, register_rule
 from msprobe_engine.sinks.base import Sink, register_sink
 
 out, steps, usage = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -38,6 +42,27 @@ class SlowSink(Sink):
 
     def write(self, record) -> None:
         time.sleep(0.05)
+
+
+@register_rule("signal_at")
+class SignalAt(Rule):
+    """Sends this process `signum` from inside the step end of its `step`-th evaluation, while
+    that step's record is being made (a scheduler's SIGTERM landing in `step_end`)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Rule.Config):
+        step: int = 5
+        signum: int = 15
+
+    def __init__(self, config: "SignalAt.Config") -> None:
+        super().__init__(config)
+        self.evaluated = 0
+
+    def evaluate(self, table, stats, metrics) -> list:
+        if self.evaluated == self.config.step:
+            os.kill(os.getpid(), self.config.signum)
+        self.evaluated += 1
+        return []
 
 
 atexit.register(report)

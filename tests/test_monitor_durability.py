@@ -81,6 +81,21 @@ def test_a_signal_mid_run_keeps_every_ended_step_and_still_ends_the_process(tmp_
     assert steps[:ended] == list(range(ended)) and len(steps) <= ended + 1
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_inside_a_step_end_ends_the_process_after_that_steps_record(tmp_path, signum):
+    """The signal lands while step 5's record is being made (a rule sends it from its
+    evaluation): its exception is raised when `step_end` returns, so the record is queued
+    and written at exit, and the process still ends by the signal."""
+    config = {"alerts": [{"rule": "signal_at", "step": 5, "signum": int(signum)}]}
+    child = subprocess.run(_args(tmp_path, 0, "forever", **config), capture_output=True, text=True, env=ENV,
+                           timeout=300)
+    assert child.returncode == -signum, child.stderr[-2000:]
+    ended = [word for word in child.stdout.split() if word.isdigit()]
+    assert ended == ["1", "2", "3", "4", "5"]  # step 5's step_end raised as it returned
+    assert _steps_in_every_sink(tmp_path) == list(range(6))
+
+
 @register_sink("slow_in_test")
 class _SlowSink(Sink):
     def write(self, record) -> None:

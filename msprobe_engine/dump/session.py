@@ -93,13 +93,14 @@ class DumpSession:
 
     def step(self) -> None:
         """Close the step: its dump is handed to the writer; counters restart."""
-        running = self._running
-        self._deactivate()
-        if self._recorder is not None:
-            self._commit()
-        self.current_step += 1
-        self._running = running
-        self._activate()
+        with exit_guard.critical():  # a signal raises after the step is handed over, not inside
+            running = self._running
+            self._deactivate()
+            if self._recorder is not None:
+                self._commit()
+            self.current_step += 1
+            self._running = running
+            self._activate()
 
     def close(self) -> None:
         """Write a step still open, wait for the writer and remove every hook. A second call
