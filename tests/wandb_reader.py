@@ -29,6 +29,8 @@ def read_records(path: Path) -> list:
             continue
         _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
         pos += 7
+        if pos + length > len(data):  # the last record is still being written
+            break
         if kind == 0 and length == 0:  # zero padding to the end of the block
             pos += left - 7
             continue
@@ -44,10 +46,18 @@ def read_records(path: Path) -> list:
 
 def finished_records(path: Path, patience_s: float = 60.0) -> list:
     """The records of a finished run's log: W&B's service process may still be writing it when
-    `finish()` returns (seen after `log_artifact`), so it is read again until its `exit` record."""
+    `finish()` returns (seen after `log_artifact`; once a record read half-written, under load),
+    so it is read again until its `exit` record."""
+    from google.protobuf.message import DecodeError
+
     deadline = time.monotonic() + patience_s
     while True:
-        records = read_records(path)
+        try:
+            records = read_records(path)
+        except DecodeError:  # a record caught half-written (its block's framing ahead of its bytes)
+            if time.monotonic() > deadline:
+                raise
+            records = []
         if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
             return records
         time.sleep(0.2)
