@@ -3,16 +3,21 @@
 The tiny GPT (4 layers, hidden 128, 2 micro-batches of 4 x 64 tokens) trains with
 tensor parallel 2, data parallel 2 (distributed optimizer), or as a mixture of experts
 (`--parallel ep`: every MLP 4 experts, top-2, expert parallel 2: two experts per rank; the
-routers' health watched too) on two gloo CPU ranks, at OMP_NUM_THREADS=1. Three copies of the model live in the same two processes: without
-the tool, with configs/megatron/monitor.yaml, and with everything watched every step
-(module outputs and inputs, activation gradients, gradients, weights, Adam's moments,
-updates and update/weight ratios; as "everything" in bench/overhead.py). One step of
-each in turn, the order rotating every round, so machine noise hits every config
-alike. Times are rank 0's; the thread CPU time per step (`time.thread_time`, less sensitive to
-the machine's load than the wall clock) is printed for each rank. The LAST printed line is one JSON object mapping each
-config to its ratio over no tool (goal: <= 1.3).
+routers' health watched too) on two gloo CPU ranks, at OMP_NUM_THREADS=1, in three
+configurations: without the tool, with configs/megatron/monitor.yaml, and with everything
+watched every step (module outputs and inputs, activation gradients, gradients, weights,
+Adam's moments, updates and update/weight ratios; as "everything" in bench/overhead.py).
+Each configuration trains in a pair of rank processes of its own, its steps back to back, as
+in a run, so the monitor's writer thread works in its own configuration's steps and in no
+other's; a round runs the three pairs one after the other, the order rotated every round.
+Times are rank 0's (median over a run's steps after the warm-up); the thread CPU time per step
+(`time.thread_time`, less sensitive to the machine's load than the wall clock) is printed for
+each rank. Ratio = a configuration's median over the no-tool median of the same round; the
+figure is the median over rounds. The LAST printed line is one JSON object mapping each
+config to its ratio over no tool (goal: <= 1.05 for the recommended config, <= 1.3 for everything).
 
     OMP_NUM_THREADS=1 python bench/megatron_overhead.py [--parallel tp|dp|ep] [--steps 40] [--warmup 5]
+        [--rounds 3]
 """
 from __future__ import annotations
 
@@ -37,12 +42,16 @@ EVERYTHING = {"watch": {"module_outputs": True, "module_inputs": True, "activati
               "sinks": ["tensorboard"]}
 
 
-def rank_main(rank: int, world: int, parallel: str, steps: int, warmup: int, out: str) -> dict:
+CONFIGS = ("no tool", "megatron/monitor.yaml", "everything")
+
+
+def rank_main(rank: int, world: int, parallel: str, name: str, steps: int, warmup: int, out: str
+              ) -> tuple[float, float]:
+    """One rank of configuration `name` (of `CONFIGS`): the median seconds of its steps after
+    `warmup`, wall clock and thread CPU."""
     import torch
 
     from msprobe_engine.config.loader import read_file
-    configs = {"megatron/monitor.yaml": read_file(ROOT / "configs" / "megatron" / "monitor.yaml"),
-               "everything": EVERYTHING}
     from msprobe_integrations.megatron import MegatronMonitor
     from tests import megatron_helpers as H
 
@@ -50,32 +59,26 @@ def rank_main(rank: int, world: int, parallel: str, steps: int, warmup: int, out
     H.init_parallel(tp=2 if parallel == "tp" else 1, ep=2 if parallel == "ep" else 1)
     spec = H.TinySpec(layers=4, hidden=128, heads=4, vocab=256, seq=64, batch=4, experts=4 if parallel == "ep" else 0)
     own_data = parallel in ("dp", "ep")  # each rank its own micro-batches
-    runs = {}
-    for name in ["no tool", *configs]:
-        model = H.wrap_ddp(H.build_gpt(spec), distributed_optimizer=parallel == "dp")
-        optimizer = H.build_optimizer([model])
-        monitor = None
-        if name in configs:
-            config = {**configs[name], "output_dir": str(Path(out) / name.replace("/", "_"))}
-            monitor = MegatronMonitor([model], optimizer, config=config)
-        runs[name] = (model, optimizer, monitor, [], [])
-    names = list(runs)
+    model = H.wrap_ddp(H.build_gpt(spec), distributed_optimizer=parallel == "dp")
+    optimizer = H.build_optimizer([model])
+    monitor = None
+    if name != "no tool":
+        config = read_file(ROOT / "configs" / "megatron" / "monitor.yaml") if name == "megatron/monitor.yaml" \
+            else EVERYTHING
+        monitor = MegatronMonitor([model], optimizer, config={**config, "output_dir": str(Path(out) / name.replace("/", "_"))})
+    times, cpu = [], []
     for i in range(steps + warmup):
         batches = H.micro_batches(spec, 2, seed=i * world + (rank if own_data else 0))
-        shift = i % len(names)
-        for name in names[shift:] + names[:shift]:
-            model, optimizer, monitor, times, cpu = runs[name]
-            start, start_cpu = time.perf_counter(), time.thread_time()
-            loss, _, _ = H.train_step(model, optimizer, batches)
-            if monitor is not None:
-                monitor.step_end(loss)
-            if i >= warmup:
-                times.append(time.perf_counter() - start)
-                cpu.append(time.thread_time() - start_cpu)
-    for _, _, monitor, _, _ in runs.values():
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        loss, _, _ = H.train_step(model, optimizer, batches)
         if monitor is not None:
-            monitor.close()
-    return {name: (statistics.median(run[3]), statistics.median(run[4])) for name, run in runs.items()}
+            monitor.step_end(loss)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+            cpu.append(time.thread_time() - start_cpu)
+    if monitor is not None:
+        monitor.close()
+    return statistics.median(times), statistics.median(cpu)
 
 
 def main() -> None:
@@ -83,20 +86,26 @@ def main() -> None:
     parser.add_argument("--parallel", choices=["tp", "dp", "ep"], default="tp")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     out = tempfile.mkdtemp(prefix="msprobe-megatron-bench-")
-    per_rank = run_ranks(rank_main, 2, args.parallel, args.steps, args.warmup, out, timeout=1800)
-    for rank, medians in enumerate(per_rank):
-        print(f"rank {rank} thread CPU per step: " + ", ".join(f"{name} {cpu * 1e3:.2f} ms" for name, (_, cpu)
-                                                               in medians.items()))
-    medians = {name: wall for name, (wall, _) in per_rank[0].items()}
-    base = medians.pop("no tool")
-    print(f"{args.parallel.upper()}=2, median step time without the tool: {base * 1e3:.2f} ms ({args.steps} steps)")
-    ratios = {}
-    for name, median in medians.items():
-        ratios[name] = round(median / base, 3)
-        print(f"{name:24s} {median * 1e3:8.2f} ms  x{ratios[name]:.3f}")
-    print(json.dumps(ratios))
+    ratios: dict[str, list[float]] = {name: [] for name in CONFIGS[1:]}
+    for r in range(args.rounds):
+        order = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]
+        runs = {name: run_ranks(rank_main, 2, args.parallel, name, args.steps, args.warmup,
+                                str(Path(out) / f"round{r}"), timeout=1800) for name in order}
+        base = runs["no tool"][0][0]
+        for name in CONFIGS[1:]:
+            ratios[name].append(runs[name][0][0] / base)
+        print(f"round {r}: {args.parallel.upper()}=2, no tool {base * 1e3:.2f} ms a step; "
+              + ", ".join(f"{name} x{ratios[name][-1]:.3f}" for name in CONFIGS[1:])
+              + "; thread CPU per step (ranks 0, 1): "
+              + ", ".join(f"{name} {' / '.join(f'{cpu * 1e3:.1f}' for _, cpu in runs[name])} ms" for name in CONFIGS),
+              flush=True)
+    result = {name: round(statistics.median(values), 3) for name, values in ratios.items()}
+    for name, ratio in result.items():
+        print(f"{name:24s} x{ratio:.3f} (median of {args.rounds} rounds, {args.steps} steps each)")
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":
