@@ -57,7 +57,7 @@ $(PY):
 
 # The core (torch + TensorBoard): enough for the demo. The editable install also compiles the CPU
 # kernel into the package (setup.py): it is rebuilt when its source changes.
-$(VENV)/.core: pyproject.toml setup.py msprobe_engine/frameworks/torch/cpu_reduce.c constraints.txt | $(PY)
+$(VENV)/.core: pyproject.toml setup.py msprobe_engine/cpu_kernel/cpu_reduce.c constraints.txt | $(PY)
 	$(PIP) -e ".[torch,test]"
 	touch $@
 

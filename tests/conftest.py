@@ -11,8 +11,8 @@ os.environ.setdefault("MSPROBE_RUN_NAME", ".")
 ROOT = Path(__file__).resolve().parents[1]
 # a checkout used without `pip install` by this interpreter has no C kernel in the package that it
 # loads (the 3.12 lane runs the checkout an install for 3.11 built into; or the library is older
-# than its source, after an edit): the tests build it at run time (cpu_reduce.py's opt-in) instead
-_KERNEL = ROOT / "msprobe_engine" / "frameworks" / "torch"
+# than its source, after an edit): the tests build it at run time (cpu_kernel/library.py's opt-in) instead
+_KERNEL = ROOT / "msprobe_engine" / "cpu_kernel"
 _BUILT = [p for p in (_KERNEL / f"_cpu_reduce{s}" for s in importlib.machinery.EXTENSION_SUFFIXES) if p.is_file()]
 if not _BUILT or min(p.stat().st_mtime for p in _BUILT) < (_KERNEL / "cpu_reduce.c").stat().st_mtime:
     os.environ.setdefault("MSPROBE_CPU_KERNEL", "build")

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from msprobe_engine.cpu_kernel import library
 from msprobe_engine.frameworks.torch import backend, cpu_reduce
 from tests.fused_reduce_cases import cases, compare, monitored_run, run_differences
 
@@ -181,10 +182,10 @@ def test_without_a_compiler_or_with_the_switch_off_the_torch_path_measures_and_s
 def test_a_compile_error_is_reported_with_the_compilers_message(tmp_path, monkeypatch):
     bad = tmp_path / "broken.c"
     bad.write_text("this is not C\n")
-    monkeypatch.setattr(cpu_reduce, "SOURCE", bad)
+    monkeypatch.setattr(library, "SOURCE", bad)
     monkeypatch.setenv("MSPROBE_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(RuntimeError, match=r"failed on broken\.c: .*error"):
-        cpu_reduce._build()
+        library.build()
     assert not list((tmp_path / "cache").glob("*.so"))
 
 
@@ -192,8 +193,9 @@ STALE = """
 import json, sys
 from pathlib import Path
 import torch
+from msprobe_engine.cpu_kernel import library
 from msprobe_engine.frameworks.torch import backend, cpu_reduce
-cpu_reduce._library = lambda: Path(sys.argv[1])
+library.path = lambda: Path(sys.argv[1])
 ids = torch.arange(5)
 print(json.dumps({"available": cpu_reduce.available(), "reason": cpu_reduce.disabled_reason,
                   "max": backend.partial_stats([ids]).tolist()[0][1]}))
@@ -204,13 +206,13 @@ def test_a_library_built_from_an_older_source_is_refused_not_misread(tmp_path):
     """A checkout's package library not rebuilt since int64/int32 were added would read their codes
     as bfloat16; one without `msprobe_cpu_dtypes` (as the older source built) is refused, and the
     torch path measures."""
-    source = cpu_reduce.SOURCE.read_text()
+    source = library.SOURCE.read_text()
     older = tmp_path / "older.c"
     older.write_text("\n".join(line for line in source.splitlines() if "msprobe_cpu_dtypes" not in line))
-    library = tmp_path / "older.so"
-    subprocess.run(["cc", *cpu_reduce.FLAGS, str(older), "-o", str(library)], check=True, timeout=300)
+    built = tmp_path / "older.so"
+    subprocess.run(["cc", *library.FLAGS, str(older), "-o", str(built)], check=True, timeout=300)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MSPROBE_CPU_KERNEL": "1"}
-    proc = subprocess.run([sys.executable, "-c", STALE, str(library)], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", STALE, str(built)], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -224,7 +226,7 @@ def test_a_cache_folder_others_may_write_into_is_refused(tmp_path, monkeypatch):
     shared.chmod(0o777)
     monkeypatch.setenv("MSPROBE_CACHE_DIR", str(shared))
     with pytest.raises(RuntimeError, match="not private"):
-        cpu_reduce._build()
+        library.build()
     assert not list(shared.iterdir())
 
 
@@ -290,7 +292,7 @@ def run_installed(site: Path, script: str, tmp_path: Path) -> dict:
 @pytest.mark.slow
 def test_the_wheel_carries_the_built_kernel_and_loads_it_with_no_compiler_on_path(wheel_site, tmp_path):
     """Installed from the wheel, the kernel loads with no compiler anywhere and no cache written."""
-    assert list((wheel_site / "msprobe_engine" / "frameworks" / "torch").glob("_cpu_reduce*.so"))
+    assert list((wheel_site / "msprobe_engine" / "cpu_kernel").glob("_cpu_reduce*.so"))
     result = run_installed(wheel_site, SCRIPT, tmp_path)
     assert result["available"] and result["measured"] and result["max"] == result["want"], result
     assert not (tmp_path / "cache").exists()

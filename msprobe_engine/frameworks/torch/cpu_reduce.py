@@ -12,7 +12,7 @@ step's end. This reads it once, in one call for all the tensors of a batch, and 
 rows straight into one float64 tensor (measured, 1 thread, this CPU: 32k float32 elements in
 about 10 us against about 40 us).
 
-How (`cpu_reduce.c`): LANES running minima, maxima, sums and sums of squares (and zero counts,
+How (`msprobe_engine/cpu_kernel/cpu_reduce.c`): LANES running minima, maxima, sums and sums of squares (and zero counts,
 when asked) that the compiler vectorises; float32/16/bf16 values summed in float32 for 16 values
 per lane, then in float64; squares taken and summed in float64 (exact squares: a sum of squares
 that overflows or underflows float32 is still right here, unlike the torch path's); float64
@@ -27,17 +27,10 @@ hook's one tensor, the common call: no table to build, about 2 us less Python pe
 float64 tensors without writing them (the optimizer's update: two reads a parameter instead of the
 difference's write and its read back).
 
-Building: at install time (setup.py builds `cpu_reduce.c` into the package as the plain shared
-library `_cpu_reduce*.so`, with the same flags; `pip install`, also `pip install -e`), and it is
-loaded from the package only: no compiler is needed where the package is installed. A checkout
-used without installing (PYTHONPATH) has no library; there the kernel is built at run time only
-when asked (``MSPROBE_CPU_KERNEL=build``): compiled with ``$CC`` (else ``cc``) into a cache folder
-(``$MSPROBE_CACHE_DIR``, else ``$XDG_CACHE_HOME/msprobe_engine`` or ``~/.cache/msprobe_engine``)
-that must be the user's own and writable by nobody else, under a file lock (ranks starting
-together compile once), named by a hash of the source, the flags, the machine architecture and
-the compiler's identity (its resolved path and ``--version``). `prepare()` loads (or builds) it
-ahead (the torch framework does so when a monitor attaches), so the training thread does not
-wait in its first monitored step.
+Building and loading: `msprobe_engine.cpu_kernel.library` (the library built into the package at
+install time, or at run time with ``MSPROBE_CPU_KERNEL=build``; no compiler needed where the package
+is installed). `prepare()` loads (or builds) it ahead (the torch framework does so when a monitor
+attaches), so the training thread does not wait in its first monitored step.
 
 Selection: `backend.partial_stats` calls `measure` for CPU tensors; it returns None (the torch
 path measures everything) when ``MSPROBE_CPU_KERNEL=0`` is set or `ENABLED` is False, or when
@@ -53,27 +46,16 @@ from __future__ import annotations
 
 import array
 import ctypes
-import fcntl
 import functools
-import hashlib
-import importlib.machinery
 import logging
-import os
-import platform
-import shutil
-import stat
-import subprocess
-import tempfile
-from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
+from msprobe_engine.cpu_kernel import library
+
 log = logging.getLogger("msprobe_engine")
 
-SOURCE = Path(__file__).with_name("cpu_reduce.c")
-#: Compiler flags (no -ffast-math: it would drop the nan and signed-zero semantics).
-FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11")
 #: The dtypes the kernel reads, with their codes in the C file.
 DTYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3, torch.int64: 4, torch.int32: 5}
 #: The dtypes whose differences the kernel reads (`difference_rows`).
@@ -82,99 +64,17 @@ _DIFF_DTYPES = (torch.float32, torch.float64)
 PARALLEL_NUMEL = 1 << 20
 #: Tensor types whose `data_ptr` is their values (a subclass such as a DTensor wraps its data elsewhere).
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-#: Environment switch: ``MSPROBE_CPU_KERNEL=0`` (or ``off``/``false``/``no``) keeps the torch path;
-#: ``build`` compiles the kernel at run time into the cache instead of loading the package's.
-ENV = "MSPROBE_CPU_KERNEL"
-#: The library setup.py builds into the package (an extension name, no Python API inside).
-PACKAGED = "_cpu_reduce"
 
-_MODE = os.environ.get(ENV, "1").strip().lower()
-#: False turns the kernel off for this process (set by hand, or after it could not be loaded).
-ENABLED = _MODE not in ("0", "off", "false", "no")
+#: False turns the kernel off for torch in this process (set by hand, or after it could not be loaded).
+ENABLED = library.SWITCHED_OFF is None
 #: Why the kernel is not in use (None while it is, or has not been tried).
-disabled_reason: Optional[str] = None if ENABLED else f"{ENV}={os.environ.get(ENV)}"
-
-
-def packaged() -> Optional[Path]:
-    """The library built into the package at install time, or None (a checkout not installed)."""
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = SOURCE.with_name(PACKAGED + suffix)
-        if path.is_file():
-            return path
-    return None
-
-
-def cache_dir() -> Path:
-    """Where a library built at run time (``MSPROBE_CPU_KERNEL=build``) is kept."""
-    if os.environ.get("MSPROBE_CACHE_DIR"):
-        return Path(os.environ["MSPROBE_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "msprobe_engine"
-
-
-def _compiler() -> tuple[str, bytes]:
-    """The C compiler's resolved path and its identity (path and ``--version``), for the cache key."""
-    name = os.environ.get("CC") or "cc"
-    found = shutil.which(name)
-    if found is None:
-        raise RuntimeError(f"no C compiler {name!r} on PATH (set CC) to build {SOURCE.name}")
-    path = os.path.realpath(found)
-    version = subprocess.run([path, "--version"], capture_output=True, timeout=60).stdout
-    return path, path.encode() + b"\0" + version
-
-
-def _private(folder: Path) -> None:
-    """Refuse a cache folder that someone else owns or may write into (they could plant code)."""
-    info = folder.stat()
-    if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise RuntimeError(f"the kernel cache {folder} is not private (owned by uid {info.st_uid}, mode "
-                           f"{stat.filemode(info.st_mode)}): make it the user's own, not writable by others")
-
-
-def _build() -> Path:
-    """The library in the cache, compiled first if it is not there (once per source, flags,
-    machine architecture and compiler; under a lock, so ranks starting together compile once)."""
-    compiler, identity = _compiler()
-    key = b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), platform.machine().encode(), identity])
-    folder = cache_dir()
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    _private(folder)
-    target = folder / f"cpu_reduce-{hashlib.sha256(key).hexdigest()[:16]}.so"
-    with open(folder / f"{target.name}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if target.exists():
-            return target
-        with tempfile.TemporaryDirectory(dir=folder) as tmp:  # built aside, then renamed
-            built = Path(tmp) / target.name
-            proc = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)],
-                                  capture_output=True, text=True, timeout=300)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{compiler} failed on {SOURCE.name}: {proc.stderr.strip()[-2000:]}")
-            os.replace(built, target)
-    return target
-
-
-def _library() -> Path:
-    """The package's library, or the one built at run time when ``MSPROBE_CPU_KERNEL=build``."""
-    if _MODE == "build":
-        return _build()
-    found = packaged()
-    if found is None:
-        raise RuntimeError(f"{PACKAGED} was not built into the package (install it with pip, which compiles "
-                           f"it, or set {ENV}=build to compile it at run time)")
-    return found
-
-
-@functools.lru_cache(maxsize=None)
-def _library_handle() -> ctypes.CDLL:
-    """The kernel's library, loaded (or built) on first use."""
-    return ctypes.CDLL(str(_library()))
+disabled_reason: Optional[str] = library.SWITCHED_OFF
 
 
 @functools.lru_cache(maxsize=None)
 def _table_entry(name: str):
     """The C function `name` that reads tensors by a lookup table: (count, table, count_zeros, out)."""
-    function = getattr(_library_handle(), name)
+    function = getattr(library.handle(), name)
     function.restype = None
     function.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p]
     return function
@@ -193,23 +93,10 @@ def _entry_diff():
 @functools.lru_cache(maxsize=None)
 def _entry_one():
     """The C function `msprobe_cpu_row` (one tensor: address, length and dtype code as arguments)."""
-    function = _library_handle().msprobe_cpu_row
+    function = library.handle().msprobe_cpu_row
     function.restype = None
     function.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p]
     return function
-
-
-def _check_dtypes() -> None:
-    """Refuse a library built from an older source (a checkout's package library not rebuilt since
-    `DTYPES` grew): it would read a newer dtype code as another dtype."""
-    library = _library_handle()
-    function = getattr(library, "msprobe_cpu_dtypes", None)  # absent from the libraries before int64 and int32
-    if function is not None:
-        function.restype = ctypes.c_int64
-    count = function() if function is not None else 4
-    if count != len(DTYPES):
-        raise RuntimeError(f"{library._name} reads {count} dtypes where {SOURCE.name} has {len(DTYPES)}: "
-                           f"it was built from an older source (install the package again, or set {ENV}=build)")
 
 
 _loaded = False  # both entries loaded (a plain flag: `available` is asked once per measured batch)
@@ -223,7 +110,6 @@ def available() -> bool:
     if _loaded:
         return True
     try:
-        _check_dtypes()
         _entry(), _entry_one(), _entry_diff()
     except Exception as exc:  # not packaged, no compiler, a compile error, a library that does not load
         _disable(f"the C kernel is unavailable ({type(exc).__name__}: {exc})")

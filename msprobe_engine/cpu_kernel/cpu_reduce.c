@@ -1,6 +1,7 @@
 /* One pass over each of many CPU tensors: the partial-statistics row of each.
  *
- * Built and loaded by cpu_reduce.py (ctypes); what it computes is described there.
+ * Built and loaded by library.py; called by frameworks/torch/cpu_reduce.py (ctypes), where what it
+ * computes is described.
  * Row columns: min, max, sum, sumsq, nan count, inf count, zero count, numel.
  *
  * The hot loop keeps LANES independent running min, max, sum and sum of squares (and, when
@@ -261,3 +262,4 @@ void msprobe_cpu_row(int64_t address, int64_t numel, int64_t dtype, int32_t coun
     const int64_t table[3] = {address, numel, dtype};
     msprobe_cpu_rows(1, table, count_zeros, out);
 }
+
