@@ -21,6 +21,7 @@ import pytest  # noqa: E402
 from mindspore import Parameter, Tensor, nn, ops  # noqa: E402
 from mindspore.train import Model  # noqa: E402
 
+from msprobe_engine.frameworks.mindspore import kernel_op  # noqa: E402
 from msprobe_engine.frameworks.mindspore.backend import Difference, partial_stats, plan_rows, stat_rows  # noqa: E402
 from msprobe_engine.dump import iter_dump_tensors, load_dump  # noqa: E402
 from msprobe_engine.incident.actions import TrainingStopped  # noqa: E402
@@ -227,10 +228,17 @@ def assert_compiled_run_equals_pynative(how: str, tmp_path, pynative) -> None:
     assert losses == without  # bitwise: the taps change no value the step computes
 
 
-def test_a_jit_train_step_measures_activations_as_pynative_and_leaves_the_losses_unchanged(tmp_path, pynative, capfd):
-    """The fast lane's check of the in-graph capture (a `mindspore.jit` train step). The taps'
+@pytest.mark.parametrize("reductions", ["kernel", "mindspore"])
+def test_a_jit_train_step_measures_activations_as_pynative_and_leaves_the_losses_unchanged(tmp_path, pynative, capfd,
+                                                                                           monkeypatch, reductions):
+    """The fast lane's check of the in-graph capture (a `mindspore.jit` train step), measured by the
+    C kernel's operators (on CPU, where built) and by MindSpore's reductions (elsewhere). The taps'
     graph compiles and runs without MindSpore's KERNEL warnings (its C++ log goes to fd 2)."""
+    asked = []
+    usable = kernel_op.usable if reductions == "kernel" else (lambda *args, **kwargs: False)
+    monkeypatch.setattr(kernel_op, "usable", lambda *args, **kwargs: asked.append(usable(*args, **kwargs)) or asked[-1])
     assert_compiled_run_equals_pynative("jit", tmp_path, pynative)
+    assert len(asked) >= 2 and all(asked) == (reductions == "kernel")  # the Cells' taps and the optimizer's
     err = capfd.readouterr().err
     assert "KERNEL" not in err and "For 'Cast'" not in err, err[-2000:]
 

@@ -1,7 +1,7 @@
 /* One pass over each of many CPU tensors: the partial-statistics row of each.
  *
  * Built and loaded by library.py; called by frameworks/torch/cpu_reduce.py (ctypes), where what it
- * computes is described.
+ * computes is described, and by frameworks/mindspore/kernel_op.py (MindSpore custom operators).
  * Row columns: min, max, sum, sumsq, nan count, inf count, zero count, numel.
  *
  * The hot loop keeps LANES independent running min, max, sum and sum of squares (and, when
@@ -263,3 +263,140 @@ void msprobe_cpu_row(int64_t address, int64_t numel, int64_t dtype, int32_t coun
     msprobe_cpu_rows(1, table, count_zeros, out);
 }
 
+/* MindSpore custom operators (ops.Custom, func_type "aot"), compiled into a GRAPH_MODE graph:
+ * MindSpore calls an entry with its inputs' and outputs' addresses (params: the inputs, then the
+ * one output), ranks, shapes and dtype names; 0 is success. The first input is a bool flag (the
+ * monitor's "this step is measured", a Parameter the host sets): when it is false the output's
+ * rows are nan and no tensor is read, so an unmonitored step costs the call only, with no branch
+ * in the graph. The output is [k, 8] float64, a row per measured tensor (or difference). No
+ * MindSpore header is needed: the calling convention is plain C. frameworks/mindspore/kernel_op.py
+ * offers only the dtypes ms_code maps. */
+static int ms_code(const char *name) {
+    if (!strcmp(name, "float32") || !strcmp(name, "float")) return DT_F32;
+    if (!strcmp(name, "float64") || !strcmp(name, "double")) return DT_F64;
+    if (!strcmp(name, "float16")) return DT_F16;
+    if (!strcmp(name, "bfloat16")) return DT_BF16;
+    if (!strcmp(name, "int64")) return DT_I64;
+    if (!strcmp(name, "int32") || !strcmp(name, "int")) return DT_I32;
+    return -1;
+}
+
+static int64_t ms_numel(int ndim, const int64_t *shape) {
+    int64_t n = 1;
+    for (int d = 0; d < ndim; d++)
+        n *= shape[d];
+    return n;
+}
+
+/* Whether the step is measured (params[0], a bool); when not, the `rows` rows of `out` are nan. */
+static int ms_measured(void **params, const char **dtypes, double *out, int rows) {
+    if (strcmp(dtypes[0], "bool"))
+        return -1;
+    if (*(const uint8_t *)params[0])
+        return 1;
+    for (int i = 0; i < 8 * rows; i++)
+        out[i] = NAN;
+    return 0;
+}
+
+/* The rows of the nparam - 2 tensors after the flag. */
+static int ms_rows(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, int32_t zeros) {
+    int count = nparam - 2;
+    double *out = (double *)params[nparam - 1];
+    int measured = ms_measured(params, dtypes, out, count);
+    if (measured <= 0)
+        return measured < 0;
+    for (int t = 1; t <= count; t++) {
+        int code = ms_code(dtypes[t]);
+        if (code < 0)
+            return 1;
+        const int64_t table[3] = {(int64_t)(intptr_t)params[t], ms_numel(ndims[t], shapes[t]), code};
+        msprobe_cpu_rows(1, table, zeros, out + 8 * (t - 1));
+    }
+    return 0;
+}
+
+/* After the flag, a_0..a_{k-1}, b_0..b_{k-1} (float32 or float64, pairs of one shape): the rows of a_i - b_i. */
+static int ms_diff_rows(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, int32_t zeros) {
+    int count = (nparam - 2) / 2;
+    double *out = (double *)params[nparam - 1];
+    int measured = ms_measured(params, dtypes, out, count);
+    if (measured <= 0)
+        return measured < 0;
+    for (int t = 1; t <= count; t++) {
+        int code = ms_code(dtypes[t]);
+        if ((code != DT_F32 && code != DT_F64) || strcmp(dtypes[t], dtypes[count + t]))
+            return 1;
+        const int64_t table[4] = {(int64_t)(intptr_t)params[t], (int64_t)(intptr_t)params[count + t],
+                                  ms_numel(ndims[t], shapes[t]), code};
+        msprobe_cpu_diff_rows(1, table, zeros, out + 8 * (t - 1));
+    }
+    return 0;
+}
+
+static inline double min_nan(double a, double b) { return isnan(a) || isnan(b) ? NAN : (a < b ? a : b); }
+static inline double max_nan(double a, double b) { return isnan(a) || isnan(b) ? NAN : (a > b ? a : b); }
+
+/* The dtype code of a graph tap's meta columns (the index in frameworks/mindspore/graph_rows.py's
+ * DTYPES) of the dtypes ms_code reads. */
+static int ms_meta_code(int code) {
+    static const int meta[] = {[DT_F32] = 0, [DT_F16] = 1, [DT_BF16] = 2, [DT_F64] = 3, [DT_I32] = 6, [DT_I64] = 7};
+    return meta[code];
+}
+
+/* A graph tap's write, in one call: after the flag, the statistics Parameter `buffer` ([slots + 1,
+ * width] float64: per slot the 8 columns of a row, its order and its meta columns (dtype code,
+ * ndim, the first width - 11 sizes); the last row a counter), the rows written (int32 [2]: the slot,
+ * then slots) and the tensor x. The output is [2, width]: the slot's row merged with x's row (min
+ * and max by nan-propagating min and max, the other columns summed; the order and meta columns keep
+ * the smaller: a reset slot's are inf, so the first write's stay), the order being the counter + 1;
+ * then the counter row, all of it that count. The caller scatters the two rows to `rows`. Flag
+ * false: the two rows as they are (x not read). */
+static int ms_write(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, int32_t zeros) {
+    if (nparam != 5 || ndims[1] != 2 || strcmp(dtypes[0], "bool") || strcmp(dtypes[1], "float64") ||
+        strcmp(dtypes[2], "int32") || ms_numel(ndims[2], shapes[2]) != 2)
+        return 1;
+    const double *buffer = (const double *)params[1];
+    const int32_t *rows = (const int32_t *)params[2];
+    int64_t slots = shapes[1][0] - 1, width = shapes[1][1], slot = rows[0], dims = width - 11;
+    int code = ms_code(dtypes[3]);
+    if (slot < 0 || slot >= slots || rows[1] != slots || dims < 0 || code < 0)
+        return 1;
+    const double *old = buffer + slot * width, *counter = buffer + slots * width;
+    double *out = (double *)params[4];
+    if (!*(const uint8_t *)params[0]) {
+        memcpy(out, old, width * sizeof(double));
+        memcpy(out + width, counter, width * sizeof(double));
+        return 0;
+    }
+    double row[8], stamp = counter[0] + 1;
+    const int64_t table[3] = {(int64_t)(intptr_t)params[3], ms_numel(ndims[3], shapes[3]), code};
+    msprobe_cpu_rows(1, table, zeros, row);
+    out[0] = min_nan(old[0], row[0]);
+    out[1] = max_nan(old[1], row[1]);
+    for (int c = 2; c < 8; c++)
+        out[c] = old[c] + row[c];
+    double tail[3] = {stamp, (double)ms_meta_code(code), (double)ndims[3]};
+    for (int c = 0; c < 3; c++)
+        out[8 + c] = min_nan(old[8 + c], tail[c]);
+    for (int64_t d = 0; d < dims; d++)
+        out[11 + d] = min_nan(old[11 + d], d < ndims[3] ? (double)shapes[3][d] : 0.0);
+    for (int64_t c = 0; c < width; c++)
+        out[width + c] = stamp;
+    return 0;
+}
+
+#define MS_ENTRY(name, body, zeros)                                                                     \
+    int name(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream, \
+             void *extra) {                                                                             \
+        (void)stream;                                                                                   \
+        (void)extra;                                                                                    \
+        return body(nparam, params, ndims, shapes, dtypes, zeros);                                      \
+    }
+
+MS_ENTRY(msprobe_ms_rows, ms_rows, 0)
+MS_ENTRY(msprobe_ms_rows_zeros, ms_rows, 1)
+MS_ENTRY(msprobe_ms_diff_rows, ms_diff_rows, 0)
+MS_ENTRY(msprobe_ms_diff_rows_zeros, ms_diff_rows, 1)
+MS_ENTRY(msprobe_ms_write, ms_write, 0)
+MS_ENTRY(msprobe_ms_write_zeros, ms_write, 1)

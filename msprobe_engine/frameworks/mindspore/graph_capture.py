@@ -3,7 +3,8 @@
 No Python hook runs in a compiled graph, but a Cell's `construct` is compiled from its source.
 So each watched Cell gets, for the monitor's lifetime, its own subclass (`_tapped_class`) whose
 `construct` calls the original one and then, compiled into the same graph, reduces the outputs
-(and inputs) to partial rows (`graph_rows.tensor_row`) and merges them into their slots of one
+(and inputs) to partial rows and merges them (`graph_rows.write_tensor`: on CPU one call of the C kernel's
+operator, `kernel_op`, and one scatter) into them into their slots of one
 preallocated float64 statistics Parameter (`ops.scatter_update`, kept by `ops.depend`). The
 gradient w.r.t. each output goes through `GradTap`, an identity Cell whose custom `bprop`
 writes the gradient's row the same way. The Parameter is held outside the Cells' parameter
@@ -23,8 +24,9 @@ host read of the Parameter at the first monitored step whose graph wrote any.
 
 Limits: a Cell called several times in a step has one row (its calls merged), not `path:1`...;
 at most `ROWS_PER_CELL` tensors of a tuple (one level) per Cell and role, positional inputs
-only; the reductions run at every step of the graph, monitored or not (only the transfer is
-skipped); registered columns are nan. The subclass must be in place before the graph is
+only; on an unmonitored step (`monitor(False)`) the kernel's operator reads no tensor, but the
+rows are still merged into the Parameter (and MindSpore's reductions, where the kernel is not
+used, run at every step); registered columns are nan. The subclass must be in place before the graph is
 compiled: a net compiled before the monitor was attached keeps its graph (a warning says so).
 """
 from __future__ import annotations
@@ -35,7 +37,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from msprobe_engine.frameworks.mindspore.graph_rows import buffer_rows, meta_of, tensor_meta, tensor_row, write, written
+from msprobe_engine.frameworks.mindspore import kernel_op
+from msprobe_engine.frameworks.mindspore.graph_rows import buffer_rows, meta_of, slot_rows, write_tensor, written
 from msprobe_engine.stats import columns
 from msprobe_engine.stats.table import MetricKey
 
@@ -52,41 +55,46 @@ STALE_GRAPH = ("no statistics came from the compiled graph in a monitored step: 
 
 
 class _Holder:
-    """Holds the statistics Parameter where a Cell's `bprop` may use it (MindSpore refuses a
-    Parameter of the Cell itself there)."""
+    """Holds the statistics Parameter and the flag where a Cell's `bprop` may use them (MindSpore
+    refuses a Parameter of the Cell itself there)."""
 
-    def __init__(self, buffer: Parameter) -> None:
-        self.buffer = buffer
+    def __init__(self, buffer: Parameter, on: Parameter) -> None:
+        self.buffer, self.on = buffer, on
 
 
 class GradTap(nn.Cell):
-    """Identity on `x`; its bprop writes the row of the incoming gradient into slot `slot`."""
+    """Identity on `x`; its bprop writes the row of the incoming gradient into its slot (`slot`:
+    `graph_rows.slot_rows`)."""
 
-    def __init__(self, buffer: Parameter, count_zeros: bool) -> None:
+    def __init__(self, buffer: Parameter, on: Parameter, count_zeros: bool, kernel) -> None:
         super().__init__()
-        object.__setattr__(self, "_msprobe_holder", _Holder(buffer))  # not a parameter of this Cell
+        object.__setattr__(self, "_msprobe_holder", _Holder(buffer, on))  # not parameters of this Cell
         self.count_zeros = count_zeros
+        self.kernel = kernel
+        self.slots = buffer.shape[0] - 1
 
     def construct(self, x, slot):
         return x
 
     def bprop(self, x, slot, out, dout):
-        done = write(self._msprobe_holder.buffer, slot, tensor_row(dout, self.count_zeros), tensor_meta(dout))
+        holder = self._msprobe_holder
+        done = write_tensor(holder.buffer, slot, dout, self.count_zeros, self.kernel, holder.on)
         return ops.depend(dout, done), ops.zeros_like(slot)
 
 
-def _record(buffer, first, value, count_zeros):
+def _record(buffer, first, value, count_zeros, kernel, on):
     """`value` (a tensor, or a tuple/list whose tensors are measured) kept after its rows are
-    written from slot `first` (a bare tensor) or `first + 1 + i` (item i)."""
+    written (`write_tensor` by `kernel` and its flag `on`) from slot `first` (a bare tensor) or
+    `first + 1 + i` (item i)."""
     if isinstance(value, Tensor):
-        return ops.depend(value, write(buffer, Tensor(first, ms.int32), tensor_row(value, count_zeros),
-                                       tensor_meta(value)))
+        return ops.depend(value, write_tensor(buffer, slot_rows(first, buffer.shape[0] - 1), value, count_zeros,
+                                             kernel, on))
     if isinstance(value, (tuple, list)):
         for i in range(min(len(value), ROWS_PER_CELL)):
             item = value[i]
             if isinstance(item, Tensor):
-                value = ops.depend(value, write(buffer, Tensor(first + 1 + i, ms.int32), tensor_row(item, count_zeros),
-                                                tensor_meta(item)))
+                value = ops.depend(value, write_tensor(buffer, slot_rows(first + 1 + i, buffer.shape[0] - 1), item,
+                                                       count_zeros, kernel, on))
     return value
 
 
@@ -97,13 +105,13 @@ def _floating(value):
 def _grad_taps(tap, first, value):
     """`value` with its floating-point tensors passed through `tap` (their gradients' rows)."""
     if _floating(value):
-        return tap(value, Tensor(first, ms.int32))
+        return tap(value, slot_rows(first, tap.slots))
     if isinstance(value, tuple):
         items = ()
         for i in range(len(value)):
             item = value[i]
             if i < ROWS_PER_CELL and _floating(item):
-                item = tap(item, Tensor(first + 1 + i, ms.int32))
+                item = tap(item, slot_rows(first + 1 + i, tap.slots))
             items = items + (item,)
         return items
     return value
@@ -120,9 +128,11 @@ def _tapped_class(base: type) -> type:
                 return super().construct(*args, **kwargs)
             out = super().construct(*args, **kwargs)
             if self._msprobe_in >= 0:
-                out = ops.depend(out, _record(self._msprobe_buffer, self._msprobe_in, args, self._msprobe_zeros))
+                out = ops.depend(out, _record(self._msprobe_buffer, self._msprobe_in, args, self._msprobe_zeros,
+                                              self._msprobe_kernel, self._msprobe_on))
             if self._msprobe_out >= 0:
-                out = _record(self._msprobe_buffer, self._msprobe_out, out, self._msprobe_zeros)
+                out = _record(self._msprobe_buffer, self._msprobe_out, out, self._msprobe_zeros, self._msprobe_kernel,
+                              self._msprobe_on)
             if self._msprobe_grad >= 0:
                 out = _grad_taps(self._msprobe_tap, self._msprobe_grad, out)
             return out
@@ -146,7 +156,7 @@ def tapped(cls: type, base: type) -> type:
     return cls
 
 
-_TAP_ATTRIBUTES = ("_msprobe_eager", "_msprobe_buffer", "_msprobe_zeros", "_msprobe_tap",
+_TAP_ATTRIBUTES = ("_msprobe_eager", "_msprobe_buffer", "_msprobe_zeros", "_msprobe_tap", "_msprobe_kernel", "_msprobe_on",
                    *(attr for attr, _, _ in _SECTIONS))
 
 
@@ -169,13 +179,20 @@ class GraphCapture:
         cells = [(path, cell) for path, cell in cells if path not in taken]
         self._reset = Tensor(buffer_rows(len(cells) * _SECTION * sum(wanted)))
         self.buffer = Parameter(self._reset.copy(), name="msprobe_graph_statistics", requires_grad=False)
-        self._grad_tap = GradTap(self.buffer, count_zeros)
+        #: whether the step about to run is measured (read by the kernel's operator at run time)
+        self.on = Parameter(Tensor(True), name="msprobe_graph_monitored", requires_grad=False)
+        self._on = True
+        # on CPU, where built; registered columns (nan in graphs) keep MindSpore's reductions
+        kernel = kernel_op.write_op(count_zeros) if kernel_op.usable(()) and columns.n_columns() == kernel_op.WIDTH \
+            else None
+        self._grad_tap = GradTap(self.buffer, self.on, count_zeros, kernel)
         for path, cell in cells:
             base = type(cell)
             self._cells.append((cell, base))
             cell.__class__ = _tapped_class(base)
             for attr, value in (("_msprobe_eager", False), ("_msprobe_buffer", self.buffer),
-                                ("_msprobe_zeros", count_zeros), ("_msprobe_tap", self._grad_tap)):
+                                ("_msprobe_zeros", count_zeros), ("_msprobe_tap", self._grad_tap),
+                                ("_msprobe_kernel", kernel), ("_msprobe_on", self.on)):
                 object.__setattr__(cell, attr, value)
             for attr, kind, role in _SECTIONS:
                 first = len(self.slots) if wanted_in[attr] else -1
@@ -186,6 +203,13 @@ class GraphCapture:
         self.keys: list[MetricKey] = []
         #: key -> (dtype, shape) of the tensor each written slot measured (learned with the slots)
         self.meta: dict[MetricKey, tuple[str, list[int]]] = {}
+
+    def monitor(self, on: bool) -> None:
+        """Whether the next step's graph measures (a host write only when it changes); the Cells'
+        rows are still merged into the Parameter (nan), and reset by `take`."""
+        if on != self._on:
+            ops.assign(self.on, Tensor(on))
+            self._on = on
 
     def take(self, wanted: bool = True) -> tuple[list[MetricKey], np.ndarray] | None:
         """This step's rows (`keys`, and the rows read to the host: one transfer, no launch) and the

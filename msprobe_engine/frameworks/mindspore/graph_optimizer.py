@@ -4,8 +4,10 @@ In GRAPH_MODE (or a `mindspore.jit` train step) the optimizer Cell is compiled i
 step's graph, called with the step's gradients. For the monitor's lifetime the optimizer gets its
 own subclass (`_tapped_class`, as `graph_capture` does for the watched Cells) whose compiled
 `construct` runs the original one and then, in the same graph, measures the gradients, the
-parameters and the optimizer state after the step, and the update (`backend.stat_rows`: the rows
-and semantics of `backend.partial_stats`) and assigns the rows into a preallocated float64
+parameters and the optimizer state after the step, and the update (on CPU by the C kernel's
+custom operators, `kernel_op`: one read of each tensor, two of an update's pair; elsewhere, or for a
+dtype the kernel does not read, by `backend.stat_rows`: the rows and semantics of
+`backend.partial_stats`) and assigns the rows into a preallocated float64
 statistics Parameter, whose last row counts the steps written. There is no second graph launch:
 at the step's end the host reads the Parameter (`take`: one transfer) and hands its rows to the
 monitor under the names the optimizer hooks use (`grad/<param>`, `param/<param>`,
@@ -13,8 +15,10 @@ monitor under the names the optimizer hooks use (`grad/<param>`, `param/<param>`
 parameter list (its parameters, names and checkpoints are unchanged).
 
 Called eagerly (PyNative), the subclass's `construct` is the original one and the optimizer hooks
-measure as before. An unmonitored step skips the statistics: they sit in a branch of the graph on
-a flag Parameter (`monitor`, set by the host before the step), so switching costs no recompile.
+measure as before. An unmonitored step skips the statistics by a flag Parameter (`monitor`, set by
+the host before the step; switching costs no recompile): the kernel's operators read it and measure
+nothing when it is false (no branch in the graph: one costs MindSpore's CPU backend about 1.6 ms a
+step); MindSpore's reductions sit in a branch of the graph on it.
 Limits: the parameters' copy for the update is still taken at every step; registered columns
 are nan; a step whose optimizer did not run
 (a `FiniteGate` that skipped it) or a graph compiled before the monitor was attached writes no
@@ -28,6 +32,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
+from msprobe_engine.frameworks.mindspore import kernel_op
 from msprobe_engine.frameworks.mindspore.backend import Difference, plan_rows, stat_rows, tensor_meta
 from msprobe_engine.frameworks.mindspore.graph_capture import tapped
 from msprobe_engine.stats import columns
@@ -53,34 +58,51 @@ def _tapped_class(base: type) -> type:
                 for i in range(len(params)):
                     before = before + (ops.deepcopy(params[i]),)
             out = super().construct(gradients)
-            if self._msprobe_on:  # a graph branch: an unmonitored step skips the statistics
+            if self._msprobe_kernel:  # its operators read the flag: an unmonitored step reads no tensor
+                out = self._msprobe_write(gradients, params, before, out)
+            elif self._msprobe_on:  # a graph branch: an unmonitored step skips the statistics
                 out = self._msprobe_write(gradients, params, before, out)
             return out
 
         def _msprobe_write(self, gradients, params, before, out):
-            items = ()
+            kernel = self._msprobe_kernel
+            tensors, afters, befores = (), (), ()  # what is measured as it is; the updates' pairs
             for what, source, i in self._msprobe_items:
                 if what == GRAD:
-                    items = items + (gradients[i],)
+                    tensors = tensors + (gradients[i],)
                 elif what == AFTER:
-                    items = items + (ops.depend(self._msprobe_sources[source][i], out),)
-                else:
-                    items = items + (ops.depend(params[i], out), before[i])
-            plan = self._msprobe_plan
-            rows = stat_rows(items, plan.layout, plan.differences, plan.empty, plan.gather, self._msprobe_zeros,
-                             plan.pack)
+                    tensors = tensors + (ops.depend(self._msprobe_sources[source][i], out),)
+                elif kernel:
+                    afters, befores = afters + (ops.depend(params[i], out),), befores + (before[i],)
+                else:  # stat_rows takes an update as its two tensors, in its plan's order
+                    tensors = tensors + (ops.depend(params[i], out), before[i])
+            if kernel:  # the C kernel's operators, the rows in `keys` order (the updates last)
+                blocks = ()
+                on = self._msprobe_on
+                if tensors:
+                    blocks = blocks + (self._msprobe_rows_op(on, *tensors),)
+                if afters:
+                    blocks = blocks + (self._msprobe_diff_op(on, *afters, *befores),)
+                rows = ops.cat(blocks) if len(blocks) > 1 else blocks[0]
+                written = ops.cast(on, ms.float64)  # an unmonitored step's nan rows are not counted
+            else:
+                plan = self._msprobe_plan
+                rows = stat_rows(tensors, plan.layout, plan.differences, plan.empty, plan.gather, self._msprobe_zeros,
+                                 plan.pack)
+                written = 1.0
             buffer = self._msprobe_buffer
             width = buffer.shape[1]
             if width > rows.shape[1]:  # registered columns: nan (their reducers run outside graphs)
                 rows = ops.cat([rows, ops.fill(ms.float64, (rows.shape[0], width - rows.shape[1]), float("nan"))], 1)
-            done = ops.assign(buffer, ops.cat([rows, buffer[-1:] + 1]))
+            done = ops.assign(buffer, ops.cat([rows, buffer[-1:] + written]))
             return ops.depend(out, done)
 
     return tapped(Tapped, base)
 
 
 _TAP_ATTRIBUTES = ("_msprobe_on", "_msprobe_eager", "_msprobe_sources", "_msprobe_update", "_msprobe_items",
-                   "_msprobe_plan", "_msprobe_zeros", "_msprobe_buffer")
+                   "_msprobe_plan", "_msprobe_zeros", "_msprobe_buffer", "_msprobe_kernel", "_msprobe_rows_op",
+                   "_msprobe_diff_op")
 
 
 class OptimizerTap:
@@ -121,7 +143,9 @@ class OptimizerTap:
         self._written = 0.0
         if not keys:
             return
-        plan = plan_rows(stand_ins, range(len(stand_ins)), packed=True)
+        measured = [item for item in stand_ins if not isinstance(item, Difference)]
+        kernel = kernel_op.usable(measured) and (not update or kernel_op.usable(sources[0], differences=True))
+        plan = None if kernel else plan_rows(stand_ins, range(len(stand_ins)), packed=True)
         self.buffer = Parameter(Tensor(np.zeros((len(keys) + 1, columns.n_columns()))),
                                 name="msprobe_optimizer_statistics", requires_grad=False)
         self._base = type(optimizer)
@@ -129,7 +153,9 @@ class OptimizerTap:
         #: whether the step about to run is monitored (read by the graph at run time: no recompile)
         self.on = Parameter(Tensor(True), name="msprobe_optimizer_monitored", requires_grad=False)
         self._on = True
-        values = (self.on, False, sources, update, tuple(items[i] for i in plan.order), plan, count_zeros, self.buffer)
+        values = (self.on, False, sources, update, tuple(items) if kernel else tuple(items[i] for i in plan.order), plan,
+                  count_zeros, self.buffer, kernel, kernel_op.rows_op(count_zeros) if kernel and measured else None,
+                  kernel_op.diff_rows_op(count_zeros) if kernel and update else None)
         for attr, value in zip(_TAP_ATTRIBUTES, values):
             object.__setattr__(optimizer, attr, value)
 

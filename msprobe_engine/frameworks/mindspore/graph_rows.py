@@ -2,9 +2,11 @@
 
 These functions are compiled into the user's graph (GRAPH_MODE, a `mindspore.jit` step) by the
 taps of `graph_capture`; they are plain MindSpore code, traced from this file's source. A row
-has the columns of `stats.columns` in row order, with the semantics of the backend
-(`backend.partial_stats`): float16/bfloat16/float32 accumulate in float32, other dtypes in
-float64; nan and inf are counted exactly; where a nan was counted, min and max are nan; the
+has the columns of `stats.columns` in row order. On CPU the C kernel's operator
+(`kernel_op.write_op`) computes it and merges it into its slot in one call, with the torch side's
+CPU semantics (squares summed in float64); elsewhere MindSpore's reductions do (`tensor_row`), with
+the semantics of the backend (`backend.partial_stats`): float16/bfloat16/float32 accumulate in
+float32, other dtypes in float64. Either way nan and inf are counted exactly; where a nan was counted, min and max are nan; the
 zero count is nan unless requested; an empty tensor has the identity row. Registered (not
 built-in) columns are nan: their reducers run outside compiled graphs.
 
@@ -21,6 +23,7 @@ import numpy as np
 from mindspore import Tensor, ops
 
 from msprobe_engine.frameworks.mindspore.backend import sums
+from msprobe_engine.frameworks.mindspore.kernel_op import DTYPES as KERNEL_DTYPES
 from msprobe_engine.stats import columns
 
 _LOW_PRECISION = (ms.float16, ms.bfloat16, ms.float32)
@@ -83,8 +86,8 @@ _N_EXTRA = len(columns.EXTRA)
 
 
 def tensor_row(tensor, count_zeros):
-    """The partial row of `tensor` (``[n_columns()]`` float64). nan and inf are counted only when
-    the sum of squares is not finite (a branch inside the graph), as in the backend."""
+    """The partial row of `tensor` (``[n_columns()]`` float64) by MindSpore's reductions. nan and inf
+    are counted only when the sum of squares is not finite (a branch inside the graph), as in the backend."""
     f64 = ms.float64
     numel = tensor.size
     if numel == 0:
@@ -106,6 +109,23 @@ def tensor_row(tensor, count_zeros):
     if _N_EXTRA:
         row = ops.cat([row, ops.fill(f64, (_N_EXTRA,), _NAN)])
     return row
+
+
+def write_tensor(buffer, slot, tensor, count_zeros, kernel=None, on=None):
+    """Merge the row of `tensor` into its slot of `buffer` (`write`); returns the update, for
+    `ops.depend`. `slot`: int32 ``[slot, counter row]`` (`slot_rows`). By `kernel`
+    (`kernel_op.write_op`, or None) where it reads the tensor: the row, its merge, the order and
+    the meta columns in one call (nothing when `on`, its bool flag, is false) and one scatter; else
+    by MindSpore's reductions (`tensor_row`) and `write`."""
+    if kernel is not None and tensor.size > 0 and tensor.dtype in KERNEL_DTYPES:
+        return ops.scatter_update(buffer, slot, kernel(on, buffer, slot, ops.stop_gradient(tensor)))  # no bprop
+    return write(buffer, slot[0], tensor_row(tensor, count_zeros), tensor_meta(tensor))
+
+
+def slot_rows(slot: int, slots: int) -> Tensor:
+    """The rows of a write to `slot` of a Parameter of `slots` slots (`buffer_rows`): the slot's and
+    the counter's (a constant of the compiled graph)."""
+    return Tensor([slot, slots], ms.int32)
 
 
 def write(buffer, slot, row, meta):

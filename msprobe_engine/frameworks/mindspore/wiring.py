@@ -68,8 +68,7 @@ class CellWiring(Handles):
         self._ran_compiled = False
         self._forward_taken = False
         self._snapshot()  # for a first step whose optimizer runs where no hook does
-        if self.optim_tap is not None:
-            self.optim_tap.monitor(monitor.active)
+        self._set_taps(monitor.active)
         monitor.add_step_closer(self)
 
     def close_step(self, loss: Any) -> Any:
@@ -101,8 +100,13 @@ class CellWiring(Handles):
             self.cells.fired = False
         if self._ran_compiled:
             self._snapshot()
-        if self.optim_tap is not None:
-            self.optim_tap.monitor(self.monitor.active)
+        self._set_taps(self.monitor.active)
+
+    def _set_taps(self, active: bool) -> None:
+        """Whether the compiled taps measure the next step."""
+        for tap in (self.graph, self.optim_tap):
+            if tap is not None:
+                tap.monitor(active)
 
     def _snapshot(self) -> None:
         """The parameters' copy for the update of a step whose optimizer runs where no hook does,
