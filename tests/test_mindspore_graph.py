@@ -22,6 +22,7 @@ from mindspore import Parameter, Tensor, nn, ops  # noqa: E402
 from mindspore.train import Model  # noqa: E402
 
 from msprobe_engine.frameworks.mindspore import kernel_op  # noqa: E402
+from msprobe_engine.frameworks.mindspore.graph_capture import GraphCapture  # noqa: E402
 from msprobe_engine.frameworks.mindspore.backend import Difference, partial_stats, plan_rows, stat_rows  # noqa: E402
 from msprobe_engine.dump import iter_dump_tensors, load_dump  # noqa: E402
 from msprobe_engine.incident.actions import TrainingStopped  # noqa: E402
@@ -241,6 +242,23 @@ def test_a_jit_train_step_measures_activations_as_pynative_and_leaves_the_losses
     assert len(asked) >= 2 and all(asked) == (reductions == "kernel")  # the Cells' taps and the optimizer's
     err = capfd.readouterr().err
     assert "KERNEL" not in err and "For 'Cast'" not in err, err[-2000:]
+
+
+def test_unmonitored_steps_of_a_compiled_step_leave_the_statistics_untouched_and_launch_no_reset(tmp_path, monkeypatch):
+    """`schedule.interval: 2`: steps 0 and 2 are measured and equal PyNative's same steps; on step 1
+    the kernel's operators read no tensor and write nothing, so its step end launches no reset of
+    the statistics Parameter (two resets in all: after steps 0 and 2)."""
+    schedule = {"start_step": 0, "interval": 2}
+    _, want = train("pynative", tmp_path / "pynative", schedule=schedule)
+    resets = []
+    clear = GraphCapture._clear
+    monkeypatch.setattr(GraphCapture, "_clear", lambda capture: resets.append(capture) or clear(capture))
+    losses, got = train("jit", tmp_path / "jit", schedule=schedule)
+    assert [r.step for r in got] == [r.step for r in want] == [0, 2]
+    for record, reference in zip(got, want):
+        assert_same_activations(activation_metrics(record), activation_metrics(reference))
+    assert len(resets) == 2
+    assert losses == train("jit")[0]
 
 
 def incident_of(tmp_path, step: int) -> tuple[dict, object]:

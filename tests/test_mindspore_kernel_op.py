@@ -105,6 +105,23 @@ def test_the_operators_rows_are_mindspores_in_graph_rows(count_zeros):
         assert got[2, 6] == 100 and got[5, 6] == 1
 
 
+class BFloat16(BothWays):
+    """Its input cast to bfloat16 inside the graph (numpy has no bfloat16), then both ways."""
+
+    def construct(self, x):
+        y = x.astype(ms.bfloat16)
+        return self.op(self.on, y), ops.stack([tensor_row(y, self.count_zeros)])
+
+
+def test_a_bfloat16_tensor_made_in_the_graph_is_read_as_bfloat16():
+    values = np.random.default_rng(2).standard_normal(1000).astype(np.float32)
+    values[:10] = 0.0
+    got, mine = (out.asnumpy() for out in BFloat16(True)(Tensor(values)))
+    np.testing.assert_array_equal(got[:, [0, 1, 4, 5, 6, 7]], mine[:, [0, 1, 4, 5, 6, 7]])
+    np.testing.assert_allclose(got[:, 2:4], mine[:, 2:4], rtol=1e-5)
+    assert got[0, 1] != values.max() and got[0, 6] == 10  # bfloat16's rounded max, not float32's
+
+
 def test_the_difference_operator_gives_the_rows_of_the_difference_without_writing_it():
     rng = np.random.default_rng(1)
     a = rng.standard_normal((64, 33)).astype(np.float32)

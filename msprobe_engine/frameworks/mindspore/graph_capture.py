@@ -185,6 +185,7 @@ class GraphCapture:
         # on CPU, where built; registered columns (nan in graphs) keep MindSpore's reductions
         kernel = kernel_op.write_op(count_zeros) if kernel_op.usable(()) and columns.n_columns() == kernel_op.WIDTH \
             else None
+        self._kernel = kernel is not None
         self._grad_tap = GradTap(self.buffer, self.on, count_zeros, kernel)
         for path, cell in cells:
             base = type(cell)
@@ -205,23 +206,30 @@ class GraphCapture:
         self.meta: dict[MetricKey, tuple[str, list[int]]] = {}
 
     def monitor(self, on: bool) -> None:
-        """Whether the next step's graph measures (a host write only when it changes); the Cells'
-        rows are still merged into the Parameter (nan), and reset by `take`."""
+        """Whether the next step's graph measures (a host write only when it changes). Unmeasured,
+        the kernel's writes leave the Parameter as it is; MindSpore's reductions still write it
+        (`take` resets it)."""
         if on != self._on:
             ops.assign(self.on, Tensor(on))
             self._on = on
 
     def take(self, wanted: bool = True) -> tuple[list[MetricKey], np.ndarray] | None:
         """This step's rows (`keys`, and the rows read to the host: one transfer, no launch) and the
-        Parameter reset; None when not `wanted` (only reset) or nothing was written."""
+        Parameter reset; None when not `wanted` (only reset, unless the step was unmeasured and the
+        kernel's writes left the Parameter as the last reset did) or nothing was written."""
         if not self.slots:
             return None
         if not wanted or (self._index is None and not self._learn()):
-            ops.assign(self.buffer, self._reset)
+            if not (self._kernel and not wanted and not self._on):  # else nothing was written: no launch
+                self._clear()
             return None
         rows = self.buffer.asnumpy()[self._index, :columns.n_columns()]  # no order column
-        ops.assign(self.buffer, self._reset)
+        self._clear()
         return self.keys, rows
+
+    def _clear(self) -> None:
+        """The Parameter back to its value at a step's start (one assign)."""
+        ops.assign(self.buffer, self._reset)
 
     def _learn(self) -> bool:
         """Which slots the graph writes (one host read, once), in the order PyNative reports them:
