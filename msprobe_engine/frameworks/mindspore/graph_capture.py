@@ -3,9 +3,9 @@
 No Python hook runs in a compiled graph, but a Cell's `construct` is compiled from its source.
 So each watched Cell gets, for the monitor's lifetime, its own subclass (`_tapped_class`) whose
 `construct` calls the original one and then, compiled into the same graph, reduces the outputs
-(and inputs) to partial rows and merges them (`graph_rows.write_tensor`: on CPU one call of the C kernel's
-operator, `kernel_op`, and one scatter) into them into their slots of one
-preallocated float64 statistics Parameter (`ops.scatter_update`, kept by `ops.depend`). The
+(and inputs) to partial rows and merges them into their slots of one preallocated float64
+statistics Parameter (`graph_rows.write_tensor`: on CPU one call of the C kernel's operator,
+`kernel_op`, and one `ops.scatter_update`; kept by `ops.depend`). The
 gradient w.r.t. each output goes through `GradTap`, an identity Cell whose custom `bprop`
 writes the gradient's row the same way. The Parameter is held outside the Cells' parameter
 lists (the net's parameters, names and checkpoints are unchanged).
@@ -24,10 +24,11 @@ host read of the Parameter at the first monitored step whose graph wrote any.
 
 Limits: a Cell called several times in a step has one row (its calls merged), not `path:1`...;
 at most `ROWS_PER_CELL` tensors of a tuple (one level) per Cell and role, positional inputs
-only; on an unmonitored step (`monitor(False)`) the kernel's operator reads no tensor, but the
-rows are still merged into the Parameter (and MindSpore's reductions, where the kernel is not
-used, run at every step); registered columns are nan. The subclass must be in place before the graph is
-compiled: a net compiled before the monitor was attached keeps its graph (a warning says so).
+only; on an unmonitored step (`monitor(False)`) the kernel's operator reads no tensor and leaves
+the Parameter as it is, but its calls and scatters still run (MindSpore's reductions, where the
+kernel is not used, run in full at every step); registered columns are nan. The subclass must be
+in place before the graph is compiled: a net compiled before the monitor was attached keeps its
+graph (a warning says so).
 """
 from __future__ import annotations
 
