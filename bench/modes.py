@@ -57,27 +57,36 @@ class NoTool:
 
 
 class Floor:
-    """One sum per watched tensor in the hooks a monitor needs, one transfer per step."""
+    """One sum per watched tensor in the hooks a monitor needs, one transfer per step.
+    `watched(name)`: whether module `name` is hooked (default: every module but the root);
+    `merge(sums)`: the step's sums merged over the ranks in place before the transfer (one
+    collective: what any multi-rank tool needs)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, watch) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, watch, *,
+                 watched: Callable[[str], bool] = bool,
+                 merge: Callable[[torch.Tensor], object] | None = None) -> None:
         self.sums: list[torch.Tensor] = []
+        self.merge = merge
         self.watch = watch
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         self.optimizer = optimizer
         self.before: list[torch.Tensor] | None = None
         self.update = any(s in ("update", "ratio") for s in watch.optimizer_state)
         self.states = [s for s in watch.optimizer_state if s in ("exp_avg", "exp_avg_sq")]
-        if watch.module_outputs or watch.activation_grads:
+        if watch.module_outputs or watch.module_inputs or watch.activation_grads:
             for name, module in model.named_modules():
-                if name:
-                    module.register_forward_hook(self._forward)
+                if watched(name):
+                    module.register_forward_hook(self._forward, with_kwargs=True)
         optimizer.register_step_pre_hook(self._pre_step)
         optimizer.register_step_post_hook(self._post_step)
 
     def _grad(self, grad: torch.Tensor) -> None:
         self.sums.append(grad.detach().sum(dtype=torch.float32))
 
-    def _forward(self, module, args, output) -> None:
+    def _forward(self, module, args, kwargs, output) -> None:
+        if self.watch.module_inputs:
+            self.sums += [t.detach().sum(dtype=torch.float32) for t in (*args, *kwargs.values())
+                          if isinstance(t, torch.Tensor)]
         outputs = [t for t in (output if isinstance(output, (tuple, list)) else [output])
                    if isinstance(t, torch.Tensor)]
         for t in outputs:
@@ -108,7 +117,10 @@ class Floor:
     def run(self, step: Step) -> torch.Tensor:
         loss = step()
         self.sums.append(loss.detach().float())
-        torch.stack(self.sums).cpu()  # the one transfer
+        sums = torch.stack(self.sums)
+        if self.merge is not None:
+            self.merge(sums)
+        sums.cpu()  # the one transfer
         self.sums = []
         return loss
 

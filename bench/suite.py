@@ -16,14 +16,15 @@ Printed: one table per model, then, as the LAST line, one JSON object:
 
 `--compiled` [--configs ...]: every model compiled in place (`model.compile()`, inductor; a process
 a mode matters doubly there: a second instance in a process would reuse the first one's graphs), a
-`none` process beside each config's, the two taking turns as above;
-ratio = ours over that `none` (wall clock; `cpu_ratio`: the processes' CPU time); the graph
+`none` process beside each config's (and, for `COMPILED_FLOORS`, the config's floor), taking
+turns as above; ratio = ours over that `none` (wall clock; `cpu_ratio`: the processes' CPU time); the graph
 breaks and graphs of each first step are reported too (docs/compile.md). The predecessor's
 monitor (`pred_<config>`) runs compiled the same way, in a process of its own beside a `none` of
 its own (it patches torch globally); where it cannot, its error is reported instead of its ratio
-(`--no-predecessor` leaves it out). The floors are not run compiled. The last line's JSON is then
-``{model: {config: {"ours": {"ratio", "cpu_ratio", "graph_breaks", "graphs", ...}, "pred": {...}
-or {"error": ...}}}, "load": [...]}``.
+(`--no-predecessor` leaves it out). The floors of configs with module hooks are not run compiled
+(their plain Python hooks would break the graph). The last line's JSON is then
+``{model: {config: {"ours": {"ratio", "cpu_ratio", "graph_breaks", "graphs", ...}, "floor": {...}
+(`COMPILED_FLOORS`), "pred": {...} or {"error": ...}}}, "load": [...]}``.
 """
 from __future__ import annotations
 
@@ -51,6 +52,9 @@ FLOORS = [f"floor_{c}" for c in CONFIGS]
 LEVELS = ("L0", "L1", "mix")
 #: what starts a reply line of a `serve` process
 REPLY = "@@"
+#: configs whose floor runs compiled: no module hooks (the floor's forward hooks, plain Python
+#: appending to a list, would break the graph: that would be no floor)
+COMPILED_FLOORS = ("grads_optimizer",)
 #: steps a `serve` process runs back to back a turn (`run_interleaved`)
 BURST = 4
 
@@ -178,11 +182,12 @@ def summarise(model: str, medians: dict[str, float]) -> dict:
 
 
 def run_compiled(model: str, config: str, steps: int, warmup: int, predecessor: bool) -> dict:
-    """Ours and (with `predecessor`) the predecessor's monitor on the compiled `model` with
-    `config`, each beside a `none` process of its own: their `compiled_ratios`; the predecessor's
-    as ``{"error": ...}`` where its worker exits."""
-    result = {"ours": compiled_ratios(run_interleaved(model, ["none", f"ours_{config}"], steps, warmup),
-                                      f"ours_{config}")}
+    """Ours with the floor of `config` beside it (`COMPILED_FLOORS`), and (with `predecessor`) the predecessor's
+    monitor, on the compiled `model`, each group beside a `none` process of its own: their
+    `compiled_ratios`; the predecessor's as ``{"error": ...}`` where its worker exits."""
+    floor = [f"floor_{config}"] if config in COMPILED_FLOORS else []
+    medians = run_interleaved(model, ["none", *floor, f"ours_{config}"], steps, warmup)
+    result = {"ours": compiled_ratios(medians, f"ours_{config}"), **{"floor": compiled_ratios(medians, m) for m in floor}}
     if predecessor:
         try:
             medians = run_interleaved(model, ["none", f"pred_{config}"], steps, warmup)

@@ -46,3 +46,44 @@ def test_step_profile_times_every_part_of_a_monitored_step():
     assert {"forward", "backward (gradient hooks)", "pre-step", "post-step"} <= {
         phase for phase, count in figures["tensors"].items() if count > 0}
     assert all(ms >= 0 for ms in figures["parts_ms"].values()) and figures["ours_ms"] > 0
+
+
+def test_the_floor_sums_every_tensor_its_config_watches_and_merges_them_once():
+    """bench/modes.py's floor (the least any tool does: the suites' and the Megatron bench's
+    baseline) hooks the watched modules only, reads inputs given by keyword too, and hands the
+    step's sums to its merge in one tensor."""
+    import torch
+    from torch import nn
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from modes import Floor
+
+    from msprobe_engine.config import load_config
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.act, self.last = nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.last(input=self.act(self.first(x)))
+
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.Adam(model.parameters())
+    watch = load_config({"watch": {"module_outputs": True, "module_inputs": True, "activation_grads": True,
+                                   "param_grads": True, "optimizer_state": ["exp_avg", "exp_avg_sq"]}}).watch
+    merged = []
+    floor = Floor(model, optimizer, watch, watched=lambda name: name in ("first", "last"), merge=merged.append)
+
+    def step():
+        optimizer.zero_grad()
+        loss = model(torch.randn(3, 4)).sum()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    floor.run(step)
+    # two modules: an input, an output and its gradient each; 4 gradients; 8 moments; the loss
+    assert [len(sums) for sums in merged] == [2 * 3 + 4 + 8 + 1]
+    assert floor.sums == []
